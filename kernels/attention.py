@@ -1,0 +1,88 @@
+"""Attention over the paged KV cache: varlen prefill with a cached prefix, and decode.
+
+Paging is vLLM's PagedAttention (Kwon et al., SOSP 2023): each sequence's keys and values live in
+fixed-size blocks named by its row of the block table. Prefill treats every query chunk as the tail of
+its sequence, so chunked prefill and prefix-cache hits go through the same call: query ``i`` of a chunk
+of length ``q_len`` in a sequence of total length ``L`` sits at position ``L - q_len + i`` and attends
+to positions ``<= L - q_len + i`` (causal, FlashAttention-2 semantics, Dao 2023).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def gather_kv_ref(cache: torch.Tensor, block_table_row: torch.Tensor, length: int) -> torch.Tensor:
+    """The first ``length`` positions of one sequence: ``[length, Hk, D]`` from ``cache [N, bs, Hk, D]``."""
+    bs = cache.shape[1]
+    nblocks = (length + bs - 1) // bs
+    return cache[block_table_row[:nblocks].long()].flatten(0, 1)[:length]
+
+
+def prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                          seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal varlen attention whose keys and values (prefix and new tokens) come from the paged cache.
+
+    The new tokens' K/V must already be in the cache (``rope_and_cache`` writes them).
+
+    Args:
+        q: ``[T, Hq, D]`` queries of all sequences, concatenated.
+        k_cache, v_cache: ``[num_blocks, block_size, Hk, D]``; ``Hq % Hk == 0`` (GQA).
+        block_tables: ``[B, max_blocks]`` int32 block ids.
+        cu_seqlens_q: ``[B + 1]`` int32 prefix sums of the query lengths.
+        seq_lens: ``[B]`` int32 total lengths (cached prefix + this chunk).
+        scale: softmax scale, usually ``D ** -0.5``.
+
+    Returns:
+        ``[T, Hq, D]`` in the dtype of ``q``.
+    """
+    out = torch.empty_like(q)
+    cu = cu_seqlens_q.tolist()
+    lens = seq_lens.tolist()
+    hq, hk = q.shape[1], k_cache.shape[2]
+    for b, length in enumerate(lens):
+        qs, qe = cu[b], cu[b + 1]
+        qlen = qe - qs
+        if qlen == 0:
+            continue
+        k = gather_kv_ref(k_cache, block_tables[b], length).transpose(0, 1).to(q.dtype)
+        v = gather_kv_ref(v_cache, block_tables[b], length).transpose(0, 1).to(q.dtype)
+        qb = q[qs:qe].transpose(0, 1)
+        if qlen == length:
+            o = F.scaled_dot_product_attention(qb, k, v, is_causal=True, scale=scale,
+                                               enable_gqa=hq != hk)
+        else:
+            pos = torch.arange(length - qlen, length, device=q.device)
+            mask = torch.arange(length, device=q.device)[None, :] <= pos[:, None]
+            o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale,
+                                               enable_gqa=hq != hk)
+        out[qs:qe] = o.transpose(0, 1)
+    return out
+
+
+def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query token per sequence against its whole paged context (PagedAttention decode).
+
+    Args:
+        q: ``[B, Hq, D]``.
+        k_cache, v_cache: ``[num_blocks, block_size, Hk, D]``.
+        block_tables: ``[B, max_blocks]`` int32.
+        seq_lens: ``[B]`` int32 context lengths, the current token included (its K/V already cached).
+        scale: softmax scale.
+
+    Returns:
+        ``[B, Hq, D]`` in the dtype of ``q``.
+    """
+    bsz, hq, d = q.shape
+    hk, bs = k_cache.shape[2], k_cache.shape[1]
+    max_len = int(seq_lens.max())
+    nblocks = (max_len + bs - 1) // bs
+    idx = block_tables[:, :nblocks].long()
+    k = k_cache[idx].flatten(1, 2)[:, :max_len].transpose(1, 2).to(q.dtype)  # [B, Hk, L, D]
+    v = v_cache[idx].flatten(1, 2)[:, :max_len].transpose(1, 2).to(q.dtype)
+    mask = torch.arange(max_len, device=q.device)[None, :] < seq_lens.to(q.device)[:, None].long()
+    o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :],
+                                       scale=scale, enable_gqa=hq != hk)
+    return o.squeeze(2)
