@@ -54,36 +54,162 @@ def apply_rope_ref(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torc
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
+FP8_E4M3_MAX = 448.0
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype, kv_scale: float = 1.0) -> torch.Tensor:
+    """Cast K or V to the cache dtype: ``x / kv_scale``, saturated to +-448 for an FP8 (e4m3) cache.
+
+    A reader gets the value back as ``cache.to(float) * kv_scale``. With ``kv_scale == 1.0`` and a
+    float cache this is a plain cast.
+    """
+    if kv_scale != 1.0:
+        x = x.float() / kv_scale
+    if dtype == torch.float8_e4m3fn:
+        x = x.float().clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+    return x.to(dtype)
+
+
 def write_kv_cache_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       slot_mapping: torch.Tensor) -> None:
+                       slot_mapping: torch.Tensor, kv_scale: float = 1.0) -> None:
     """Scatter ``k, v [T, Hk, D]`` into the paged caches ``[num_blocks, block_size, Hk, D]``.
 
     ``slot_mapping [T]`` (int64) holds ``block_id * block_size + offset``; a slot of -1 is skipped
-    (padding). Values are cast to the cache dtype.
+    (padding). Values are cast to the cache dtype by :func:`to_cache_dtype` (divided by
+    ``kv_scale``, saturated for an FP8 cache).
     """
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
     hk, d = k_cache.shape[-2:]
-    k_cache.view(-1, hk, d)[slot_mapping] = k.to(k_cache.dtype)
-    v_cache.view(-1, hk, d)[slot_mapping] = v.to(v_cache.dtype)
+    k_cache.view(-1, hk, d)[slot_mapping] = to_cache_dtype(k, k_cache.dtype, kv_scale)
+    v_cache.view(-1, hk, d)[slot_mapping] = to_cache_dtype(v, v_cache.dtype, kv_scale)
 
 
 def rope_and_cache_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                        cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                       slot_mapping: torch.Tensor, kv_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Apply RoPE to ``q [T, Hq, D]`` and ``k [T, Hk, D]``, then write rotated k and ``v [T, Hk, D]``
     into the paged caches at ``slot_mapping [T]``.
 
     Args:
         positions: ``[T]`` int64 absolute token positions.
         cos_sin_cache: ``[max_position, D]`` from :func:`build_cos_sin_cache`.
-        k_cache, v_cache: ``[num_blocks, block_size, Hk, D]``, written in place.
+        k_cache, v_cache: ``[num_blocks, block_size, Hk, D]``, written in place; float or
+            ``torch.float8_e4m3fn`` (then K/V are stored divided by ``kv_scale``).
+        kv_scale: per-tensor scale of an FP8 cache (see :func:`to_cache_dtype`); 1.0 otherwise.
 
     Returns:
         ``(q_rot [T, Hq, D], k_rot [T, Hk, D])`` in the input dtype.
     """
     q = apply_rope_ref(q, positions, cos_sin_cache)
     k = apply_rope_ref(k, positions, cos_sin_cache)
-    write_kv_cache_ref(k, v, k_cache, v_cache, slot_mapping)
+    write_kv_cache_ref(k, v, k_cache, v_cache, slot_mapping, kv_scale)
     return q, k
+
+
+# --------------------------------------------------------------------------------------------------
+# Triton: one program per token rotates all its q and k heads (float32 math, rounded to the input
+# dtype like the reference) and scatters the rotated k and v into the paged cache at its slot.
+
+from ._triton import interpreting, next_pow2, tl, to_fp8_e4m3, triton  # noqa: E402
+
+
+@triton.jit
+def _rope_heads(x_ptr, out_ptr, tok, stride_t, stride_h, H, cos, sin,
+                HALF: tl.constexpr, H_PAD: tl.constexpr, HALF_PAD: tl.constexpr):
+    h = tl.arange(0, H_PAD)[:, None]
+    d = tl.arange(0, HALF_PAD)[None, :]
+    mask = (h < H) & (d < HALF)
+    base = x_ptr + tok * stride_t + h * stride_h + d
+    x1 = tl.load(base, mask=mask, other=0.0)
+    x2 = tl.load(base + HALF, mask=mask, other=0.0)
+    x1f = x1.to(tl.float32)
+    x2f = x2.to(tl.float32)
+    o1 = (x1f * cos - x2f * sin).to(x1.dtype)
+    o2 = (x2f * cos + x1f * sin).to(x1.dtype)
+    obase = out_ptr + tok * (H * 2 * HALF) + h * (2 * HALF) + d
+    tl.store(obase, o1, mask=mask)
+    tl.store(obase + HALF, o2, mask=mask)
+    return o1, o2
+
+
+@triton.jit
+def _rope_and_cache_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, kc_ptr, vc_ptr, slot_ptr,
+                           qo_ptr, ko_ptr, HQ, HK, stride_qt, stride_qh, stride_kt, stride_kh,
+                           stride_vt, stride_vh, stride_cs, block_size,
+                           stride_kc0, stride_kc1, stride_kc2, stride_vc0, stride_vc1, stride_vc2,
+                           kv_scale,
+                           HALF: tl.constexpr, HQ_PAD: tl.constexpr, HK_PAD: tl.constexpr,
+                           HALF_PAD: tl.constexpr, SCALED: tl.constexpr, FP8: tl.constexpr,
+                           INTERP: tl.constexpr):
+    tok = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + tok).to(tl.int64)
+    d1 = tl.arange(0, HALF_PAD)
+    dm = d1 < HALF
+    cos = tl.load(cs_ptr + pos * stride_cs + d1, mask=dm, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(cs_ptr + pos * stride_cs + HALF + d1, mask=dm, other=0.0).to(tl.float32)[None, :]
+    _rope_heads(q_ptr, qo_ptr, tok, stride_qt, stride_qh, HQ, cos, sin, HALF, HQ_PAD, HALF_PAD)
+    k1, k2 = _rope_heads(k_ptr, ko_ptr, tok, stride_kt, stride_kh, HK, cos, sin, HALF, HK_PAD,
+                         HALF_PAD)
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    if slot >= 0:
+        blk = slot // block_size
+        off = slot % block_size
+        h = tl.arange(0, HK_PAD)[:, None]
+        d = d1[None, :]
+        mask = (h < HK) & (d < HALF)
+        v1 = tl.load(v_ptr + tok * stride_vt + h * stride_vh + d, mask=mask, other=0.0)
+        v2 = tl.load(v_ptr + tok * stride_vt + h * stride_vh + HALF + d, mask=mask, other=0.0)
+        if SCALED:
+            k1 = k1.to(tl.float32) / kv_scale
+            k2 = k2.to(tl.float32) / kv_scale
+            v1 = v1.to(tl.float32) / kv_scale
+            v2 = v2.to(tl.float32) / kv_scale
+        if FP8:
+            k1 = to_fp8_e4m3(k1, INTERP)
+            k2 = to_fp8_e4m3(k2, INTERP)
+            v1 = to_fp8_e4m3(v1, INTERP)
+            v2 = to_fp8_e4m3(v2, INTERP)
+        kdst = kc_ptr + blk * stride_kc0 + off * stride_kc1 + h * stride_kc2 + d
+        vdst = vc_ptr + blk * stride_vc0 + off * stride_vc1 + h * stride_vc2 + d
+        tl.store(kdst, k1.to(kc_ptr.dtype.element_ty), mask=mask)
+        tl.store(kdst + HALF, k2.to(kc_ptr.dtype.element_ty), mask=mask)
+        tl.store(vdst, v1.to(vc_ptr.dtype.element_ty), mask=mask)
+        tl.store(vdst + HALF, v2.to(vc_ptr.dtype.element_ty), mask=mask)
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def rope_and_cache_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                          cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          slot_mapping: torch.Tensor, kv_scale: float = 1.0
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton version of :func:`rope_and_cache_ref`; q, k, v may be strided views (e.g. of a fused
+    qkv projection) as long as the head dim is contiguous. The caches must have a contiguous last dim.
+    """
+    t, hq, d = q.shape
+    hk = k.shape[1]
+    if d % 2:
+        raise ValueError(f"head_dim must be even for rotate-half RoPE, got {d}")
+    q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
+    cs = _last_dim_contiguous(cos_sin_cache)
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("the KV cache's head dim must be contiguous")
+    q_out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
+    k_out = torch.empty((t, hk, d), dtype=k.dtype, device=k.device)
+    if t == 0:
+        return q_out, k_out
+    half = d // 2
+    hq_pad, hk_pad, half_pad = next_pow2(hq), next_pow2(hk), next_pow2(half)
+    warps = 1 if hq_pad * half_pad <= 512 else 4 if hq_pad * half_pad <= 4096 else 8
+    _rope_and_cache_kernel[(t,)](
+        q, k, v, positions, cs, k_cache, v_cache, slot_mapping, q_out, k_out, hq, hk,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cs.stride(0),
+        k_cache.shape[1], k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), float(kv_scale),
+        HALF=half, HQ_PAD=hq_pad, HK_PAD=hk_pad, HALF_PAD=half_pad, SCALED=float(kv_scale) != 1.0,
+        FP8=k_cache.dtype == torch.float8_e4m3fn, INTERP=interpreting(), num_warps=warps)
+    return q_out, k_out
