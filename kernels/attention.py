@@ -19,9 +19,15 @@ def gather_kv_ref(cache: torch.Tensor, block_table_row: torch.Tensor, length: in
     return cache[block_table_row[:nblocks].long()].flatten(0, 1)[:length]
 
 
+def _dequant(x: torch.Tensor, dtype: torch.dtype, kv_scale: float) -> torch.Tensor:
+    """Cache values to ``dtype``: a cast, times ``kv_scale`` when it is not 1 (FP8 cache)."""
+    x = x.to(dtype)
+    return x if kv_scale == 1.0 else x * kv_scale
+
+
 def prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                          seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                          seq_lens: torch.Tensor, scale: float, kv_scale: float = 1.0) -> torch.Tensor:
     """Causal varlen attention whose keys and values (prefix and new tokens) come from the paged cache.
 
     The new tokens' K/V must already be in the cache (``rope_and_cache`` writes them).
@@ -33,6 +39,8 @@ def prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         cu_seqlens_q: ``[B + 1]`` int32 prefix sums of the query lengths.
         seq_lens: ``[B]`` int32 total lengths (cached prefix + this chunk).
         scale: softmax scale, usually ``D ** -0.5``.
+        kv_scale: per-tensor scale of an FP8 (e4m3) cache: the stored values times ``kv_scale`` are
+            the keys and values (see ``tandem.kernels.rope.to_cache_dtype``); 1.0 otherwise.
 
     Returns:
         ``[T, Hq, D]`` in the dtype of ``q``.
@@ -46,8 +54,8 @@ def prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         qlen = qe - qs
         if qlen == 0:
             continue
-        k = gather_kv_ref(k_cache, block_tables[b], length).transpose(0, 1).to(q.dtype)
-        v = gather_kv_ref(v_cache, block_tables[b], length).transpose(0, 1).to(q.dtype)
+        k = _dequant(gather_kv_ref(k_cache, block_tables[b], length).transpose(0, 1), q.dtype, kv_scale)
+        v = _dequant(gather_kv_ref(v_cache, block_tables[b], length).transpose(0, 1), q.dtype, kv_scale)
         qb = q[qs:qe].transpose(0, 1)
         if qlen == length:
             o = F.scaled_dot_product_attention(qb, k, v, is_causal=True, scale=scale,
@@ -62,7 +70,8 @@ def prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 
 
 def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                         block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                         kv_scale: float = 1.0) -> torch.Tensor:
     """One query token per sequence against its whole paged context (PagedAttention decode).
 
     Args:
@@ -71,6 +80,7 @@ def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         block_tables: ``[B, max_blocks]`` int32.
         seq_lens: ``[B]`` int32 context lengths, the current token included (its K/V already cached).
         scale: softmax scale.
+        kv_scale: per-tensor scale of an FP8 cache (as in :func:`prefill_attention_ref`).
 
     Returns:
         ``[B, Hq, D]`` in the dtype of ``q``.
@@ -80,9 +90,14 @@ def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     max_len = int(seq_lens.max())
     nblocks = (max_len + bs - 1) // bs
     idx = block_tables[:, :nblocks].long()
-    k = k_cache[idx].flatten(1, 2)[:, :max_len].transpose(1, 2).to(q.dtype)  # [B, Hk, L, D]
-    v = v_cache[idx].flatten(1, 2)[:, :max_len].transpose(1, 2).to(q.dtype)
+    k = _dequant(k_cache[idx].flatten(1, 2)[:, :max_len].transpose(1, 2), q.dtype, kv_scale)  # [B, Hk, L, D]
+    v = _dequant(v_cache[idx].flatten(1, 2)[:, :max_len].transpose(1, 2), q.dtype, kv_scale)
     mask = torch.arange(max_len, device=q.device)[None, :] < seq_lens.to(q.device)[:, None].long()
     o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :],
                                        scale=scale, enable_gqa=hq != hk)
     return o.squeeze(2)
+
+
+# The Triton versions live one file per kernel family; they take the same arguments as the references.
+from .decode import decode_attention_triton  # noqa: E402,F401
+from .prefill import prefill_attention_triton  # noqa: E402,F401

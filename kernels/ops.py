@@ -19,6 +19,8 @@ _OPS = {
     "silu_and_mul": ("tandem.kernels.activation", "silu_and_mul"),
     "prefill_attention": ("tandem.kernels.attention", "prefill_attention"),
     "decode_attention": ("tandem.kernels.attention", "decode_attention"),
+    "fp8_linear": ("tandem.kernels.fp8", "fp8_linear"),
+    "quantize_per_token_fp8": ("tandem.kernels.fp8", "quantize_per_token_fp8"),
 }
 
 
@@ -31,6 +33,8 @@ class Ops:
     silu_and_mul: Callable
     prefill_attention: Callable
     decode_attention: Callable
+    fp8_linear: Callable
+    quantize_per_token_fp8: Callable
 
 
 def resolve_backend(backend: str, device: str) -> str:
