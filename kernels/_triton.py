@@ -1,12 +1,21 @@
 """Import Triton when it is installed; otherwise give stand-ins so the torch references still import.
 
-Every kernel file does ``from ._triton import triton, tl, HAS_TRITON``. Without Triton, decorating a
+Every kernel file does ``from ._triton import triton, tl, ...``. Without Triton, decorating a
 kernel works but calling a ``*_triton`` op raises ImportError naming the missing package, so a
-torch-only install (the CPU worker) never needs Triton.
+torch-only install (the CPU worker) never needs Triton. On a machine without CUDA this module
+defaults ``TRITON_INTERPRET=1``, so the Triton ops run (slowly) under Triton's CPU interpreter.
 """
 from __future__ import annotations
 
 import os
+
+import torch
+
+# Without a CUDA device Triton can only run under its interpreter. Triton reads TRITON_INTERPRET
+# when a kernel is decorated, so set it before the kernel modules define theirs; an explicit
+# setting (either way) wins.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 try:
     import triton
