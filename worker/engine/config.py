@@ -1,0 +1,59 @@
+"""Engine settings, the engine half of the InferencePool spec in plain Python types."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class EngineConfig:
+    """How one engine runs.
+
+    Attributes:
+        model: a model source: a Hugging Face directory, a ``.gguf`` file, or ``package:PKG/FILE``.
+        dtype: ``float32`` | ``float16`` | ``bfloat16`` for weights, activations and the KV cache.
+        block_size: tokens per KV block.
+        max_model_len: the longest prompt + output, in tokens (0: the model's own limit).
+        max_num_batched_tokens: the token budget of one step; prompts longer than this are prefilled
+            in chunks (chunked prefill).
+        max_num_seqs: the most sequences running at once.
+        kv_cache_bytes: KV cache size in bytes (used without a GPU, or when set).
+        gpu_memory_fraction: on CUDA, the fraction of device memory for weights + KV cache.
+        num_kv_blocks: an explicit block count (tests); overrides the two above.
+        enable_prefix_caching: reuse cached KV blocks across requests by block hash.
+        attention_backend: ``auto`` | ``triton`` | ``flash-attn`` | ``torch``.
+        quantization: ``none`` | ``fp8``.
+        device: ``cpu`` or ``cuda[:N]``; ``auto`` picks CUDA when available.
+        model_name: the OpenAI ``model`` name (defaults to the source's file or folder name).
+    """
+    model: str
+    dtype: str = "float32"
+    block_size: int = 16
+    max_model_len: int = 0
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    kv_cache_bytes: int = 256 * 1024 * 1024
+    gpu_memory_fraction: float = 0.9
+    num_kv_blocks: int = 0
+    enable_prefix_caching: bool = True
+    attention_backend: str = "auto"
+    quantization: str = "none"
+    device: str = "auto"
+    model_name: str = ""
+    seed: int = 0
+
+    def torch_dtype(self) -> torch.dtype:
+        """The torch dtype of ``dtype``; raises ValueError for an unknown name."""
+        try:
+            return DTYPES[self.dtype]
+        except KeyError:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}") from None
+
+    def resolved_device(self) -> str:
+        """``device`` with ``auto`` resolved."""
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return self.device

@@ -1,0 +1,341 @@
+"""The engine: requests in, tokens out, one ``step()`` at a time.
+
+It ties the scheduler (what to compute), the model runner (computing it), the sampler and the
+detokenizer together, and keeps the counters the server exports. It is single-threaded by design;
+:mod:`tandem.worker.engine.async_engine` runs it on a thread of its own for the HTTP server.
+
+Disaggregated serving adds three calls: a decode worker reserves blocks for a prompt whose KV will
+arrive from a prefill worker (:meth:`LLMEngine.add_remote_request`), writes it
+(:meth:`LLMEngine.write_kv`), and then either completes the prefill with the first token the prefill
+worker sampled (:meth:`LLMEngine.complete_remote`) or falls back to computing it locally
+(:meth:`LLMEngine.fallback_local`).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from tandem.worker.engine.block_hash import fingerprint
+from tandem.worker.engine.block_manager import BlockManager
+from tandem.worker.engine.config import EngineConfig
+from tandem.worker.engine.detokenizer import IncrementalDetokenizer
+from tandem.worker.engine.loader import LoadedModel, load_model
+from tandem.worker.engine.model_runner import ModelRunner
+from tandem.worker.engine.sampler import SampleResult, sample
+from tandem.worker.engine.scheduler import Scheduler
+from tandem.worker.engine.sequence import InvalidRequestError, SamplingParams, Sequence, SeqStatus
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request.
+
+    ``new_token_ids``/``new_text`` are the delta since the last output; ``text`` is everything so far.
+    ``logprobs`` holds one :class:`SampleResult` per new token when logprobs were asked for.
+    """
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    text: str
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    logprobs: list[SampleResult] = field(default_factory=list)
+
+
+@dataclass
+class EngineStats:
+    """Counters since start (monotonic) and gauges (current)."""
+    prompt_tokens_computed: int = 0
+    generation_tokens: int = 0
+    prompt_tokens: int = 0
+    num_steps: int = 0
+    num_prefill_steps: int = 0
+    local_prefill_fallbacks: int = 0
+
+
+class LLMEngine:
+    """A paged-KV inference engine for one model.
+
+    Args:
+        config: engine settings.
+        loaded: an already loaded model (else ``config.model`` is loaded).
+
+    Raises:
+        ModelLoadError: the model cannot be loaded.
+        ValueError: a bad setting (dtype, backend, KV cache size).
+    """
+
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
+        torch.manual_seed(config.seed)
+        self.config = config
+        loaded = loaded or load_model(config.model)
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.model_name = config.model_name or loaded.path.name
+        limit = loaded.config.max_position_embeddings
+        self.max_model_len = min(config.max_model_len or limit, limit)
+        self.fingerprint = fingerprint(model=config.model, dtype=config.dtype,
+                                       quantization=config.quantization)
+        self.runner = ModelRunner(config, loaded, self.max_model_len)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size,
+                                          config.enable_prefix_caching, self.fingerprint)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
+        self.seqs: dict[str, Sequence] = {}
+        self.detok: dict[str, IncrementalDetokenizer] = {}
+        self.text: dict[str, str] = {}
+        self.emitted: dict[str, int] = {}
+        self.stats = EngineStats()
+        self.eos_ids = set(loaded.config.eos_token_ids)
+
+    # ---- requests ---------------------------------------------------------------------------
+    def tokenize_chat(self, messages: list[dict]) -> list[int]:
+        """Apply the model's chat template (with the generation prompt) and tokenize."""
+        try:
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                     tokenize=True, return_dict=False)
+        except Exception as e:
+            raise InvalidRequestError("messages", f"cannot apply the chat template: {e}") from None
+        return list(ids)
+
+    def tokenize(self, prompt: str) -> list[int]:
+        return list(self.tokenizer.encode(prompt))
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise :class:`InvalidRequestError` for a prompt the engine cannot serve."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise InvalidRequestError("prompt", "must not be empty")
+        if n + params.max_tokens > self.max_model_len:
+            if n >= self.max_model_len:
+                raise InvalidRequestError("prompt", f"this model's maximum context length is "
+                                          f"{self.max_model_len} tokens; the prompt has {n} tokens")
+            raise InvalidRequestError("max_tokens", f"this model's maximum context length is "
+                                      f"{self.max_model_len} tokens; you requested {n + params.max_tokens}"
+                                      f" ({n} in the prompt, {params.max_tokens} for the completion)")
+        vocab = self.model_config.vocab_size
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
+            raise InvalidRequestError("prompt", f"token ids must be in [0, {vocab})")
+        capacity = self.runner.num_blocks * self.config.block_size
+        if n + params.max_tokens > capacity:
+            raise InvalidRequestError("max_tokens", f"prompt + max_tokens = {n + params.max_tokens} "
+                                      f"exceeds the KV cache of this worker ({capacity} tokens)")
+
+    def _new_seq(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
+                 params) -> Sequence:
+        if request_id in self.seqs:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already running")
+        params = SamplingParams.parse(params)
+        if prompt_token_ids is None:
+            if not prompt:
+                raise InvalidRequestError("prompt", "must not be empty")
+            prompt_token_ids = self.tokenize(prompt)
+        self.validate(prompt_token_ids, params)
+        seq = Sequence(request_id, list(prompt_token_ids), params)
+        self.seqs[request_id] = seq
+        self.detok[request_id] = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids)
+        self.text[request_id] = ""
+        self.emitted[request_id] = 0
+        self.stats.prompt_tokens += len(prompt_token_ids)
+        return seq
+
+    def add_request(self, request_id: str, prompt: str | None = None,
+                    prompt_token_ids: list[int] | None = None,
+                    params: SamplingParams | dict | None = None, *, keep_logits: bool = False,
+                    kv_sink: Callable | None = None, stop_after_first_token: bool = False) -> Sequence:
+        """Queue a request. Exactly one of ``prompt`` (text) and ``prompt_token_ids`` is used.
+
+        ``kv_sink(seq, first_block_index, data)`` (prefill role) receives each run of completed KV
+        blocks as a CPU tensor ``[layers, 2, n, block_size, Hk, D]`` right after the step that
+        computed it; ``stop_after_first_token`` finishes the request once the first token is sampled.
+
+        Raises:
+            InvalidRequestError: empty or over-long prompt, bad sampling values (names the field).
+        """
+        seq = self._new_seq(request_id, prompt, prompt_token_ids, params)
+        seq.keep_logits, seq.kv_sink, seq.stop_after_first_token = keep_logits, kv_sink, stop_after_first_token
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request wherever it is and free its blocks (a no-op for an unknown id)."""
+        seq = self.seqs.get(request_id)
+        if seq is not None:
+            self._finish(seq, "abort")
+            self._forget(seq)
+
+    # ---- disaggregated prefill, decode side -------------------------------------------------
+    def add_remote_request(self, request_id: str, prompt_token_ids: list[int],
+                           params: SamplingParams | dict | None) -> Sequence | None:
+        """Reserve blocks for a prompt whose KV a prefill worker will send.
+
+        Returns the sequence (status WAITING_REMOTE, ``block_table`` covering the prompt), or None
+        when there are not enough free blocks (the caller then prefills locally).
+        Raises InvalidRequestError as :meth:`add_request`.
+        """
+        seq = self._new_seq(request_id, None, prompt_token_ids, params)
+        if not self.block_manager.allocate_all(seq):
+            self._forget(seq)
+            self.stats.prompt_tokens -= len(prompt_token_ids)
+            return None
+        seq.status = SeqStatus.WAITING_REMOTE
+        self.scheduler.remote[request_id] = seq
+        return seq
+
+    def write_kv(self, request_id: str, first_block_index: int, data: torch.Tensor) -> None:
+        """Write received KV blocks ``[layers, 2, n, block_size, Hk, D]`` at the request's block
+        indices ``first_block_index ..``. Raises KeyError for a request not waiting for KV."""
+        seq = self.scheduler.remote[request_id]
+        n = data.shape[2]
+        self.runner.write_blocks(seq.block_table[first_block_index:first_block_index + n], data)
+
+    def complete_remote(self, request_id: str, first_token_id: int,
+                        logprob: SampleResult | None = None) -> RequestOutput:
+        """The prefill worker finished: the prompt's KV is in place and ``first_token_id`` was sampled.
+        The request joins the running batch for decode. Returns the first token's output."""
+        seq = self.scheduler.remote.pop(request_id)
+        seq.num_computed_tokens = len(seq.prompt_token_ids)
+        seq.num_cached_tokens = 0
+        self.block_manager.register_computed(seq)
+        seq.status = SeqStatus.RUNNING
+        self.scheduler.running.append(seq)
+        seq.first_scheduled_time = seq.first_scheduled_time or time.monotonic()
+        out = self._append_token(seq, logprob or SampleResult(first_token_id))
+        if out.finished:
+            self._forget(seq)
+        return out
+
+    def fallback_local(self, request_id: str) -> None:
+        """Give up on the remote prefill: free the reserved blocks and prefill locally."""
+        seq = self.scheduler.remote.pop(request_id, None)
+        if seq is None:
+            return
+        self.block_manager.free_seq(seq)
+        seq.num_computed_tokens = 0
+        self.stats.local_prefill_fallbacks += 1
+        self.scheduler.add(seq)
+
+    # ---- stepping -----------------------------------------------------------------------------
+    def has_unfinished(self) -> bool:
+        return bool(self.seqs)
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, sample, and return every request's new output."""
+        batch = self.scheduler.schedule()
+        if not batch.items:
+            return []
+        self.stats.num_steps += 1
+        if batch.prefills or any(s.in_prefill for s, _ in batch.decodes):
+            self.stats.num_prefill_steps += 1
+        now = time.monotonic()
+        for seq, n in batch.items:
+            seq.first_scheduled_time = seq.first_scheduled_time or now
+            in_prompt = max(0, min(seq.num_computed_tokens + n, len(seq.prompt_token_ids))
+                            - seq.num_computed_tokens)
+            self.stats.prompt_tokens_computed += in_prompt
+        sample_seqs, logits = self.runner.execute(batch)
+        for seq, n in batch.items:
+            seq.num_computed_tokens += n
+            self.block_manager.register_computed(seq)
+        results = sample(logits, sample_seqs) if sample_seqs else []
+        outputs = []
+        for seq, res in zip(sample_seqs, results):
+            outputs.append(self._append_token(seq, res))
+        for seq, _ in batch.items:
+            if seq.kv_sink is not None:
+                self._send_kv(seq)
+        for out in outputs:
+            if out.finished:
+                self._forget(self.seqs[out.request_id])
+        return outputs
+
+    def _send_kv(self, seq: Sequence) -> None:
+        bs = self.config.block_size
+        done = seq.status == SeqStatus.FINISHED or seq.output_token_ids
+        end = -(-seq.num_computed_tokens // bs) if done else seq.num_computed_tokens // bs
+        end = min(end, -(-len(seq.prompt_token_ids) // bs))
+        if end > seq.num_blocks_sent:
+            ids = seq.block_table[seq.num_blocks_sent:end] if seq.block_table else []
+            if len(ids) == end - seq.num_blocks_sent:
+                seq.kv_sink(seq, seq.num_blocks_sent, self.runner.read_blocks(ids))
+                seq.num_blocks_sent = end
+
+    def _append_token(self, seq: Sequence, res: SampleResult) -> RequestOutput:
+        rid = seq.request_id
+        seq.output_token_ids.append(res.token_id)
+        seq.first_token_time = seq.first_token_time or time.monotonic()
+        self.stats.generation_tokens += 1
+        p = seq.params
+        text = self.text[rid] + self.detok[rid].add(res.token_id)
+        reason = None
+        if res.token_id in p.stop_token_ids or (not p.ignore_eos and res.token_id in self.eos_ids):
+            reason = "stop"
+        if p.stop:
+            window = max(len(s) for s in p.stop)
+            start = max(0, len(self.text[rid]) - window)
+            hits = [i for i in (text.find(s, start) for s in p.stop) if i >= 0]
+            if hits:
+                text, reason = text[:min(hits)], "stop"
+        if reason is None and (len(seq.output_token_ids) >= p.max_tokens
+                               or seq.num_tokens >= self.max_model_len):
+            reason = "length"
+        if reason is None and seq.stop_after_first_token:
+            reason = "prefill_done"
+        self.text[rid] = text
+        # While a stop string may still be forming, hold back that many characters.
+        hold = 0 if reason else max((len(s) - 1 for s in p.stop), default=0)
+        upto = max(self.emitted[rid], len(text) - hold)
+        delta = text[self.emitted[rid]:upto]
+        self.emitted[rid] = upto
+        if reason:
+            self._finish(seq, reason)
+        return RequestOutput(rid, [res.token_id], delta, text, reason is not None, reason,
+                             len(seq.prompt_token_ids), len(seq.output_token_ids), seq.num_cached_tokens,
+                             [res] if p.logprobs is not None else [])
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.finish_reason = reason
+        if seq.kv_sink is not None and reason != "abort":
+            seq.status = SeqStatus.FINISHED
+            self._send_kv(seq)
+        self.scheduler.finish(seq)
+
+    def _forget(self, seq: Sequence) -> None:
+        rid = seq.request_id
+        for d in (self.seqs, self.detok, self.text, self.emitted):
+            d.pop(rid, None)
+
+    # ---- convenience --------------------------------------------------------------------------
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams | dict | None = None,
+                 **kwargs) -> list[RequestOutput]:
+        """Run ``prompts`` (text or token ids) to completion; returns the final output of each."""
+        ids = []
+        for i, p in enumerate(prompts):
+            rid = f"gen-{time.monotonic_ns()}-{i}"
+            if isinstance(p, str):
+                self.add_request(rid, prompt=p, params=params, **kwargs)
+            else:
+                self.add_request(rid, prompt_token_ids=p, params=params, **kwargs)
+            ids.append(rid)
+        final: dict[str, RequestOutput] = {}
+        toks: dict[str, list[int]] = {r: [] for r in ids}
+        while any(r not in final for r in ids):
+            for out in self.step():
+                toks[out.request_id].extend(out.new_token_ids)
+                if out.finished:
+                    final[out.request_id] = out
+        for r in ids:
+            final[r].new_token_ids = toks[r]   # the whole completion
+        return [final[r] for r in ids]
+
+    def kv_usage(self) -> float:
+        """``tandem:kv_cache_usage_perc``: blocks held by requests / all blocks (0..1)."""
+        return self.block_manager.usage()

@@ -1,0 +1,116 @@
+"""Requests as the engine sees them: sampling parameters (validated) and sequence state."""
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+log = logging.getLogger(__name__)
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine refuses; ``field`` names the offending field, ``message`` says why."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}" if field else message)
+        self.field, self.message = field, message
+
+
+class SamplingParams(BaseModel):
+    """How to pick tokens and when to stop, with OpenAI/vLLM names and ranges.
+
+    ``temperature`` 0 means greedy. ``top_k`` of -1 or 0 and ``top_p`` of 1 disable those filters.
+    ``seed`` makes sampling reproducible per request (also across preemption). ``stop`` strings are
+    cut from the output; ``stop_token_ids`` end it, as the model's EOS does unless ``ignore_eos``.
+    ``logprobs`` asks for the sampled token's log-probability and the top-N alternatives.
+    Unknown fields are ignored (and logged by :meth:`parse`).
+    """
+    model_config = ConfigDict(extra="allow")
+
+    max_tokens: int = Field(16, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=100.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1)
+    seed: int | None = None
+    stop: list[str] = Field(default_factory=list)
+    stop_token_ids: list[int] = Field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = Field(None, ge=0, le=20)
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _one_stop(cls, v):
+        if v is None:
+            return []
+        return [v] if isinstance(v, str) else v
+
+    @classmethod
+    def parse(cls, values: "dict | SamplingParams | None") -> "SamplingParams":
+        """Validate ``values``; raise :class:`InvalidRequestError` naming the first bad field."""
+        if isinstance(values, SamplingParams):
+            return values
+        try:
+            params = cls.model_validate(values or {})
+        except ValidationError as e:
+            err = e.errors()[0]
+            loc = ".".join(str(x) for x in err["loc"])
+            raise InvalidRequestError(loc, f"{err['msg']} (got {err.get('input')!r})") from None
+        if params.model_extra:
+            log.info("ignoring unknown sampling fields: %s", sorted(params.model_extra))
+        return params
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"                 # queued for (re)prefill
+    WAITING_REMOTE = "waiting_remote"   # blocks held, KV arriving from a prefill worker
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    """One request's tokens, KV blocks and progress.
+
+    ``num_computed_tokens`` counts the leading tokens whose KV is in the cache; the next step computes
+    ``len(token_ids) - num_computed_tokens`` more (a prompt chunk, or the one sampled token).
+    """
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_registered_blocks: int = 0
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0           # prompt tokens served by the prefix cache (last admission)
+    num_preemptions: int = 0
+    keep_logits: bool = False            # tests: keep every computed row's logits
+    logits: list = field(default_factory=list)
+    kv_sink: Callable | None = None      # prefill role: receives KV blocks as they complete
+    num_blocks_sent: int = 0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    stop_after_first_token: bool = False  # prefill role: one token, then hand over
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_uncomputed > 1 or not self.output_token_ids and self.num_uncomputed > 0

@@ -1,0 +1,126 @@
+"""The Llama-family decoder (Llama 2/3, SmolLM2, Qwen2) over a paged KV cache.
+
+Architecture as in Touvron et al., "LLaMA" (2023) and Hugging Face's ``modeling_llama``; Qwen2 adds
+a bias to the Q/K/V projections. Q/K/V and gate/up are fused into single matmuls, and every op goes
+through :class:`tandem.kernels.ops.Ops`, so one model serves the torch, Triton and flash-attn paths.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from tandem.kernels.ops import Ops
+from tandem.kernels.rope import build_cos_sin_cache
+from tandem.worker.engine.loader import ModelConfig
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each token of a step reads and writes the paged KV cache.
+
+    Tokens are ordered decodes first (one query per sequence), then prefill chunks.
+
+    Attributes:
+        slot_mapping: ``[T]`` int64, the cache slot of each token (``block * block_size + offset``).
+        num_decode_tokens: how many leading tokens are single-token decodes.
+        decode_block_tables: ``[Bd, max_blocks]`` int32; decode_seq_lens ``[Bd]`` int32.
+        prefill_block_tables: ``[Bp, max_blocks]`` int32; prefill_cu_seqlens_q ``[Bp + 1]`` int32;
+            prefill_seq_lens ``[Bp]`` int32 (cached prefix + chunk).
+    """
+    slot_mapping: torch.Tensor
+    num_decode_tokens: int
+    decode_block_tables: torch.Tensor | None = None
+    decode_seq_lens: torch.Tensor | None = None
+    prefill_block_tables: torch.Tensor | None = None
+    prefill_cu_seqlens_q: torch.Tensor | None = None
+    prefill_seq_lens: torch.Tensor | None = None
+
+
+class LlamaModel:
+    """Weights plus the forward pass; no autograd, no nn.Module bookkeeping on the hot path."""
+
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], ops: Ops,
+                 dtype: torch.dtype, device: str, max_position: int):
+        self.config, self.ops, self.dtype, self.device = config, ops, dtype, device
+        c = config
+
+        def w(name):
+            return weights[name].to(device=device, dtype=dtype).contiguous()
+
+        self.embed = w("model.embed_tokens.weight")
+        self.lm_head = self.embed if c.tie_word_embeddings else w("lm_head.weight")
+        self.norm = w("model.norm.weight")
+        self.layers = []
+        for i in range(c.num_layers):
+            p = f"model.layers.{i}."
+            qkv = torch.cat([weights[p + f"self_attn.{x}_proj.weight"] for x in "qkv"])
+            bias = (torch.cat([weights[p + f"self_attn.{x}_proj.bias"] for x in "qkv"])
+                    if c.qkv_bias else None)
+            gate_up = torch.cat([weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]])
+            self.layers.append({
+                "in_norm": w(p + "input_layernorm.weight"),
+                "post_norm": w(p + "post_attention_layernorm.weight"),
+                "qkv": qkv.to(device=device, dtype=dtype).contiguous(),
+                "qkv_bias": None if bias is None else bias.to(device=device, dtype=dtype),
+                "o": w(p + "self_attn.o_proj.weight"),
+                "gate_up": gate_up.to(device=device, dtype=dtype).contiguous(),
+                "down": w(p + "mlp.down_proj.weight"),
+            })
+        self.cos_sin = build_cos_sin_cache(c.head_dim, max_position, c.rope_theta, c.rope_scaling,
+                                           dtype=torch.float32, device=device)
+        self.scale = c.head_dim ** -0.5
+        self.q_size = c.num_heads * c.head_dim
+        self.kv_size = c.num_kv_heads * c.head_dim
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_cache: torch.Tensor, logits_indices: torch.Tensor | None) -> torch.Tensor:
+        """Run one step.
+
+        Args:
+            input_ids, positions: ``[T]`` int64.
+            meta: the step's :class:`AttentionMetadata`.
+            kv_cache: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``, updated in place.
+            logits_indices: ``[S]`` int64 rows of the step whose logits are wanted (None: all rows).
+
+        Returns:
+            ``[S, vocab]`` float32 logits.
+        """
+        c, ops = self.config, self.ops
+        h = F.embedding(input_ids, self.embed)
+        residual = None
+        nd = meta.num_decode_tokens
+        for li, L in enumerate(self.layers):
+            if residual is None:
+                residual = h
+                x = ops.rms_norm(h, L["in_norm"], c.rms_norm_eps)
+            else:
+                x, residual = ops.rms_norm(h, L["in_norm"], c.rms_norm_eps, residual)
+            qkv = F.linear(x, L["qkv"], L["qkv_bias"])
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.reshape(-1, c.num_heads, c.head_dim)
+            k = k.reshape(-1, c.num_kv_heads, c.head_dim)
+            v = v.reshape(-1, c.num_kv_heads, c.head_dim)
+            k_cache, v_cache = kv_cache[li, 0], kv_cache[li, 1]
+            q, _ = ops.rope_and_cache(q, k, v, positions, self.cos_sin, k_cache, v_cache, meta.slot_mapping)
+            if nd == q.shape[0]:
+                attn = ops.decode_attention(q, k_cache, v_cache, meta.decode_block_tables,
+                                            meta.decode_seq_lens, self.scale)
+            elif nd == 0:
+                attn = ops.prefill_attention(q, k_cache, v_cache, meta.prefill_block_tables,
+                                             meta.prefill_cu_seqlens_q, meta.prefill_seq_lens, self.scale)
+            else:
+                attn = torch.cat([
+                    ops.decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables,
+                                         meta.decode_seq_lens, self.scale),
+                    ops.prefill_attention(q[nd:], k_cache, v_cache, meta.prefill_block_tables,
+                                          meta.prefill_cu_seqlens_q, meta.prefill_seq_lens, self.scale)])
+            h = F.linear(attn.reshape(-1, self.q_size), L["o"])
+            x, residual = ops.rms_norm(h, L["post_norm"], c.rms_norm_eps, residual)
+            h = F.linear(ops.silu_and_mul(F.linear(x, L["gate_up"])), L["down"])
+        if logits_indices is not None:
+            h, residual = h[logits_indices], residual[logits_indices]
+        x, _ = ops.rms_norm(h, self.norm, c.rms_norm_eps, residual)
+        return F.linear(x, self.lm_head).float()
