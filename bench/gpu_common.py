@@ -34,6 +34,8 @@ def require_cuda(part: str) -> torch.device:
 def out_dir() -> Path:
     d = Path(os.environ.get("OUT") or ROOT / "bench" / "out")
     d.mkdir(parents=True, exist_ok=True)
+    if d == ROOT / "bench" / "out" and not (d / ".gitignore").exists():
+        (d / ".gitignore").write_text("*\n")  # results are copied into bench/RESULTS.md by hand
     return d
 
 
@@ -44,13 +46,16 @@ def environment() -> dict:
     except Exception:
         commit = "unknown"
     import triton
-    return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (dry run)"
+    return {"gpu": gpu, "torch": torch.__version__, "triton": triton.__version__,
             "commit": commit, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
 def record(part: str, **fields) -> None:
     """Append one result line (with the environment) to results.jsonl."""
-    row = {"part": part, **fields, **_ENV_CACHE.setdefault("env", environment())}
+    if "env" not in _ENV_CACHE:
+        _ENV_CACHE["env"] = environment()
+    row = {"part": part, **fields, **_ENV_CACHE["env"]}
     with open(out_dir() / "results.jsonl", "a") as f:
         f.write(json.dumps(row) + "\n")
 
