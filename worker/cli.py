@@ -6,6 +6,8 @@ import argparse
 import logging
 import sys
 
+from tandem.worker.serve_cli import add_serve_commands
+
 
 def _generate(args) -> int:
     from tandem.worker.engine.config import EngineConfig
@@ -59,12 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default="auto")
     g.set_defaults(func=_generate)
 
-    try:
-        from tandem.worker.serve_cli import add_serve_commands
-    except ImportError:  # pragma: no cover - during bootstrap only
-        pass
-    else:
-        add_serve_commands(sub)
+    add_serve_commands(sub)
     return p
 
 

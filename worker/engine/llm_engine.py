@@ -185,6 +185,7 @@ class LLMEngine:
         if not self.block_manager.allocate_all(seq):
             self._forget(seq)
             self.stats.prompt_tokens -= len(prompt_token_ids)
+            self.stats.local_prefill_fallbacks += 1
             return None
         seq.status = SeqStatus.WAITING_REMOTE
         self.scheduler.remote[request_id] = seq
@@ -335,6 +336,12 @@ class LLMEngine:
         for r in ids:
             final[r].new_token_ids = toks[r]   # the whole completion
         return [final[r] for r in ids]
+
+    def kv_layout(self) -> dict:
+        """What a KV transfer peer must match exactly: model fingerprint and cache layout."""
+        c = self.model_config
+        return {"model": self.fingerprint.hex(), "dtype": self.config.dtype, "block_size": self.config.block_size,
+                "num_layers": c.num_layers, "num_kv_heads": c.num_kv_heads, "head_dim": c.head_dim}
 
     def kv_usage(self) -> float:
         """``tandem:kv_cache_usage_perc``: blocks held by requests / all blocks (0..1)."""

@@ -101,6 +101,19 @@ def load_model(source: str) -> LoadedModel:
     raise ModelLoadError(f"{path}: not a .gguf file or a Hugging Face model directory")
 
 
+def load_tokenizer(source: str):
+    """Only the tokenizer of ``source`` (the router needs no weights). Raises ModelLoadError."""
+    from transformers import AutoTokenizer
+
+    path = resolve_source(source)
+    try:
+        if path.is_file() and path.suffix == ".gguf":
+            return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception as e:
+        raise ModelLoadError(f"{path}: cannot load tokenizer: {type(e).__name__}: {e}") from e
+
+
 def _eos_ids(tokenizer, extra) -> list[int]:
     ids = set(i for i in (extra if isinstance(extra, list) else [extra]) if i is not None)
     if getattr(tokenizer, "eos_token_id", None) is not None:
@@ -118,7 +131,6 @@ def _rope_scaling(cfg: dict) -> tuple[float, dict | None]:
 
 def _load_hf_dir(path: Path) -> LoadedModel:
     from safetensors import safe_open
-    from transformers import AutoTokenizer
 
     cfg_file = path / "config.json"
     if not cfg_file.exists():
@@ -140,7 +152,7 @@ def _load_hf_dir(path: Path) -> LoadedModel:
                     weights[k] = fh.get_tensor(k).float()
         except Exception as e:
             raise ModelLoadError(f"{f}: corrupt safetensors file: {e}") from e
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    tokenizer = load_tokenizer(str(path))
     theta, scaling = _rope_scaling(cfg)
     heads = cfg["num_attention_heads"]
     config = ModelConfig(
@@ -186,7 +198,6 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
 def _load_gguf(path: Path) -> LoadedModel:
     from gguf import GGUFReader
     from gguf.quants import dequantize
-    from transformers import AutoTokenizer
 
     try:
         reader = GGUFReader(str(path))
@@ -220,7 +231,7 @@ def _load_gguf(path: Path) -> LoadedModel:
         elif arch == "llama" and hf.endswith("k_proj.weight"):
             w = _unpermute(w, kv_heads)
         weights[hf] = w
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tokenizer = load_tokenizer(str(path))
     config = ModelConfig(
         arch=arch, vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data), hidden_size=hidden,
         intermediate_size=int(field(f"{a}.feed_forward_length")),

@@ -1,0 +1,171 @@
+"""``tandem up``: the embedded default. One InferencePool manifest becomes a fleet of local processes,
+one per replica and role, started with the same ``tandem serve`` command the pods run.
+
+The router gets its peers' addresses as static discovery. Every process's output is kept, line by
+line, under a ``[role-i]`` prefix. Ctrl-C or SIGTERM stops the router first, then drains and stops the
+workers (SIGTERM, which they treat as drain-then-exit), and kills what is left after a grace period.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from tandem.operator.spec import SpecError, initial_replicas, load_manifest, worker_config
+
+
+@dataclass
+class Proc:
+    name: str
+    role: str
+    url: str
+    popen: subprocess.Popen
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _pump(name: str, stream, out) -> None:
+    for line in iter(stream.readline, ""):
+        out.write(f"[{name}] {line}")
+        out.flush()
+
+
+class LocalFleet:
+    """Starts, watches and stops the processes of one pool.
+
+    Args:
+        manifest: path of an InferencePool YAML.
+        host: the address every process binds (loopback by default).
+        router_port: the router's port (0: a free one).
+        log_stream: where prefixed process output goes.
+    """
+
+    def __init__(self, manifest: str, host: str = "127.0.0.1", router_port: int = 8000, log_stream=None):
+        self.pool = load_manifest(manifest)
+        self.host, self.router_port = host, router_port or free_port(host)
+        self.out = log_stream or sys.stdout
+        self.dir = Path(tempfile.mkdtemp(prefix=f"tandem-{self.pool.metadata.name}-"))
+        self.procs: list[Proc] = []
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://{self.host}:{self.router_port}"
+
+    def _start(self, name: str, role: str, cfg, port: int, extra: list[str] = ()) -> Proc:
+        path = self.dir / f"{name}.yaml"
+        path.write_text(cfg.to_yaml())
+        cmd = [sys.executable, "-m", "tandem.worker.cli", "serve", "--role", role, "--config", str(path),
+               "--host", self.host, "--port", str(port), *extra]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        popen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                 env=env, start_new_session=True)
+        threading.Thread(target=_pump, args=(name, popen.stdout, self.out), daemon=True).start()
+        proc = Proc(name, role, f"http://{self.host}:{port}", popen)
+        self.procs.append(proc)
+        return proc
+
+    def _wait_ready(self, procs: list[Proc], timeout: float) -> None:
+        t_end = time.monotonic() + timeout
+        pending = list(procs)
+        while pending:
+            for p in list(pending):
+                if p.popen.poll() is not None:
+                    raise RuntimeError(f"{p.name} exited with code {p.popen.returncode} before it was ready")
+                try:
+                    with urllib.request.urlopen(p.url + "/ready", timeout=2) as r:
+                        if r.status == 200:
+                            pending.remove(p)
+                except (urllib.error.URLError, OSError):
+                    pass
+            if pending and time.monotonic() > t_end:
+                raise RuntimeError(f"not ready after {timeout:.0f} s: {', '.join(p.name for p in pending)}")
+            time.sleep(0.3)
+
+    def start(self, timeout: float = 600.0) -> None:
+        """Start every worker, wait until they are ready, then start the router and wait for it."""
+        spec = self.pool.spec
+        workers = []
+        for role, role_spec in (("prefill", spec.prefill), ("decode", spec.decode)):
+            for i in range(initial_replicas(role_spec)):
+                extra = ["--kv-port", "0"] if role == "prefill" else []
+                workers.append(self._start(f"{role}-{i}", role, worker_config(self.pool, role),
+                                           free_port(self.host), extra))
+        self._wait_ready(workers, timeout)
+        discovery = {"mode": "static",
+                     "prefill": [p.url for p in workers if p.role == "prefill"],
+                     "decode": [p.url for p in workers if p.role == "decode"]}
+        router = self._start("router", "router", worker_config(self.pool, "router", discovery),
+                             self.router_port)
+        self._wait_ready([router], timeout)
+
+    def stop(self, grace: float = 30.0) -> None:
+        """Router first, then workers: SIGTERM (drain, then exit), SIGKILL after ``grace`` seconds."""
+        for group in ([p for p in self.procs if p.role == "router"],
+                      [p for p in self.procs if p.role != "router"]):
+            for p in group:
+                if p.popen.poll() is None:
+                    p.popen.send_signal(signal.SIGTERM)
+            t_end = time.monotonic() + grace
+            for p in group:
+                try:
+                    p.popen.wait(timeout=max(0.1, t_end - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    p.popen.kill()
+                    p.popen.wait()
+
+    def ask(self, question: str, max_tokens: int = 64) -> str:
+        """One chat completion through the router; returns the answer's text."""
+        body = json.dumps({"model": self.pool.spec.model.name, "max_tokens": max_tokens, "temperature": 0,
+                           "messages": [{"role": "user", "content": question}]}).encode()
+        req = urllib.request.Request(self.endpoint + "/v1/chat/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return json.loads(r.read())["choices"][0]["message"]["content"]
+
+
+def run_up(args) -> int:
+    """The ``tandem up`` command."""
+    try:
+        fleet = LocalFleet(args.manifest, args.host, args.port)
+    except (OSError, SpecError) as e:
+        print(f"error: {args.manifest}: {e}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    name = fleet.pool.metadata.name
+    try:
+        print(f"tandem up: starting pool {name} (logs under {fleet.dir})", flush=True)
+        fleet.start()
+        print(f"tandem up: pool {name} is ready. OpenAI endpoint: {fleet.endpoint}/v1 "
+              f"(model {fleet.pool.spec.model.name!r})", flush=True)
+        if args.ask:
+            print(f"Q: {args.ask}\nA: {fleet.ask(args.ask)}", flush=True)
+            return 0
+        while not stop.is_set():
+            dead = [p for p in fleet.procs if p.popen.poll() is not None]
+            for p in dead:
+                print(f"tandem up: {p.name} exited with code {p.popen.returncode}", flush=True)
+                fleet.procs.remove(p)
+            stop.wait(1.0)
+        return 0
+    except RuntimeError as e:
+        print(f"tandem up: {e}", file=sys.stderr)
+        return 1
+    finally:
+        print("tandem up: stopping", flush=True)
+        fleet.stop()

@@ -1,0 +1,170 @@
+"""The engine on a thread of its own, driven from asyncio.
+
+The HTTP server and the KV transfer live on the event loop; the model runs on one engine thread
+(torch releases the GIL inside its ops). Everything that touches engine state runs on that thread:
+callers submit functions with :meth:`AsyncEngine.call`, and outputs come back to per-request
+asyncio queues.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+from typing import AsyncIterator, Callable
+
+from tandem.worker.engine.llm_engine import LLMEngine, RequestOutput
+
+log = logging.getLogger(__name__)
+
+
+class EngineDead(RuntimeError):
+    """The engine thread stopped after an error; the message says which."""
+
+
+class AsyncEngine:
+    """Runs ``engine.step()`` in a loop on a background thread while there is work.
+
+    Args:
+        engine: the engine to drive.
+        on_step: optional ``fn(engine, outputs)`` called on the engine thread after each step
+            (metrics).
+    """
+
+    def __init__(self, engine: LLMEngine, on_step: Callable | None = None):
+        self.engine = engine
+        self.on_step = on_step
+        self.commands: queue.SimpleQueue = queue.SimpleQueue()
+        self.wake = threading.Event()
+        self.queues: dict[str, asyncio.Queue] = {}
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.thread: threading.Thread | None = None
+        self.stopped = False
+        self.error: BaseException | None = None
+        self._ids = itertools.count()
+
+    def start(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.stopped = True
+        self.wake.set()
+        if self.thread:
+            self.thread.join(timeout=10)
+
+    def new_request_id(self, prefix: str = "req") -> str:
+        return f"{prefix}-{next(self._ids)}"
+
+    # ---- engine thread ----------------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while not self.stopped:
+                while True:
+                    try:
+                        fn, fut = self.commands.get_nowait()
+                    except queue.Empty:
+                        break
+                    try:
+                        res = fn()
+                    except BaseException as e:  # handed to the caller's future
+                        self.loop.call_soon_threadsafe(_set_exc, fut, e)
+                    else:
+                        self.loop.call_soon_threadsafe(_set_result, fut, res)
+                if engine.scheduler.has_work():
+                    outputs = engine.step()
+                    if self.on_step:
+                        self.on_step(engine, outputs)
+                    if outputs:
+                        self.loop.call_soon_threadsafe(self._dispatch, outputs)
+                else:
+                    self.wake.wait(timeout=0.5)
+                    self.wake.clear()
+        except BaseException as e:
+            log.exception("engine thread died")
+            self.error = e
+            self.loop.call_soon_threadsafe(self._fail_all, e)
+
+    # ---- event loop -------------------------------------------------------------------------
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            q = self.queues.get(out.request_id)
+            if q is not None:
+                q.put_nowait(out)
+
+    def _fail_all(self, e: BaseException) -> None:
+        for q in self.queues.values():
+            q.put_nowait(EngineDead(f"engine stopped: {e!r}"))
+
+    def post(self, request_id: str, item) -> None:
+        """Thread-safe: put ``item`` on a request's queue (used by KV sinks on the engine thread)."""
+        self.loop.call_soon_threadsafe(self._put, request_id, item)
+
+    def _put(self, request_id: str, item) -> None:
+        q = self.queues.get(request_id)
+        if q is not None:
+            q.put_nowait(item)
+
+    async def call(self, fn: Callable, *args, **kwargs):
+        """Run ``fn(*args, **kwargs)`` on the engine thread between steps; return its result or raise
+        its exception."""
+        if self.error is not None:
+            raise EngineDead(f"engine stopped: {self.error!r}")
+        fut = self.loop.create_future()
+        self.commands.put((lambda: fn(*args, **kwargs), fut))
+        self.wake.set()
+        return await fut
+
+    def open(self, request_id: str) -> asyncio.Queue:
+        """Register (before adding the request) the queue a request's outputs will arrive on."""
+        q: asyncio.Queue = asyncio.Queue()
+        self.queues[request_id] = q
+        return q
+
+    def close(self, request_id: str) -> None:
+        self.queues.pop(request_id, None)
+
+    async def stream(self, request_id: str, q: asyncio.Queue) -> AsyncIterator:
+        """Yield what arrives for ``request_id`` until its finished output. Leaving early (client gone,
+        task cancelled) aborts the request, which frees its KV blocks."""
+        finished = False
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if isinstance(item, RequestOutput) and item.finished:
+                    finished = True
+                    return
+        finally:
+            self.close(request_id)
+            if not finished and self.error is None:
+                # shielded: runs even when the caller was cancelled
+                await asyncio.shield(self.call(self.engine.abort, request_id))
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params,
+                       **kwargs) -> AsyncIterator[RequestOutput]:
+        """Add a request and yield its outputs. Raises InvalidRequestError before the first output."""
+        q = self.open(request_id)
+        try:
+            await self.call(self.engine.add_request, request_id, prompt_token_ids=prompt_token_ids,
+                            params=params, **kwargs)
+        except BaseException:
+            self.close(request_id)
+            raise
+        async for out in self.stream(request_id, q):
+            yield out
+
+
+def _set_result(fut: asyncio.Future, res) -> None:
+    if not fut.done():
+        fut.set_result(res)
+
+
+def _set_exc(fut: asyncio.Future, e: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(e)

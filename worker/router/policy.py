@@ -1,0 +1,90 @@
+"""The router's choices, as pure functions over what it knows of each worker.
+
+- Decode: the least-loaded ready decode worker (fewest requests in flight, then most free KV blocks).
+- Remote or local prefill (DESIGN.md, step 5): local when the prompt is shorter than
+  ``remotePrefillMinTokens``, when the chosen decode worker already caches at least half of the
+  prompt's blocks, or when no prefill worker is ready; remote otherwise.
+- Prefill: prefix affinity within a load bound. Among prefill workers whose load is within
+  ``load_bound`` of the least loaded, the one whose prefix cache most likely holds the prompt's
+  leading blocks (by block hash), as in SGLang's cache-aware routing and NVIDIA Dynamo's KV router.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+
+@dataclass
+class WorkerState:
+    """What the router believes about one worker."""
+    url: str
+    in_flight: int = 0
+    free_blocks: int = 0
+    num_blocks: int = 0
+    ready: bool = True
+    cached: OrderedDict = field(default_factory=OrderedDict)   # block hash -> None, LRU
+
+    def matched_blocks(self, hashes: list[bytes]) -> int:
+        """How many leading blocks of ``hashes`` this worker probably caches."""
+        n = 0
+        for h in hashes:
+            if h not in self.cached:
+                break
+            n += 1
+        return n
+
+    def remember(self, hashes: list[bytes], capacity: int = 200_000) -> None:
+        """Record that this worker now caches ``hashes`` (bounded by its block count, LRU)."""
+        cap = self.num_blocks or capacity
+        for h in hashes:
+            self.cached[h] = None
+            self.cached.move_to_end(h)
+        while len(self.cached) > cap:
+            self.cached.popitem(last=False)
+
+
+@dataclass
+class Decision:
+    decode: WorkerState
+    prefill: WorkerState | None
+    reason: str    # remote | short_prompt | decode_cached | no_prefill_worker
+
+
+def pick_decode(decodes: list[WorkerState], exclude: set[str] = frozenset()) -> WorkerState | None:
+    """The ready decode worker with the fewest requests in flight, then the most free blocks."""
+    ready = [w for w in decodes if w.ready and w.url not in exclude]
+    if not ready:
+        return None
+    return min(ready, key=lambda w: (w.in_flight, -w.free_blocks, w.url))
+
+
+def pick_prefill(prefills: list[WorkerState], hashes: list[bytes], routing: str = "prefix-affinity",
+                 load_bound: int = 2, rr_counter: int = 0) -> WorkerState | None:
+    """Choose a prefill worker (see the module docstring); None when none is ready."""
+    ready = [w for w in prefills if w.ready]
+    if not ready:
+        return None
+    if routing == "round-robin":
+        return sorted(ready, key=lambda w: w.url)[rr_counter % len(ready)]
+    least = min(w.in_flight for w in ready)
+    within = [w for w in ready if w.in_flight <= least + load_bound]
+    if routing == "least-loaded":
+        return min(within, key=lambda w: (w.in_flight, w.url))
+    return max(within, key=lambda w: (w.matched_blocks(hashes), -w.in_flight, w.url))
+
+
+def decide(decodes: list[WorkerState], prefills: list[WorkerState], num_tokens: int, hashes: list[bytes],
+           remote_prefill_min_tokens: int, routing: str = "prefix-affinity", exclude: set[str] = frozenset(),
+           rr_counter: int = 0) -> Decision | None:
+    """Where one request goes; None when no decode worker is ready."""
+    decode = pick_decode(decodes, exclude)
+    if decode is None:
+        return None
+    if num_tokens < remote_prefill_min_tokens:
+        return Decision(decode, None, "short_prompt")
+    if hashes and 2 * decode.matched_blocks(hashes) >= len(hashes):
+        return Decision(decode, None, "decode_cached")
+    prefill = pick_prefill(prefills, hashes, routing, rr_counter=rr_counter)
+    if prefill is None:
+        return Decision(decode, None, "no_prefill_worker")
+    return Decision(decode, prefill, "remote")

@@ -1,0 +1,135 @@
+"""``tandem serve`` (one process of a pool: a worker of some role, or the router) and ``tandem up``."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+
+from aiohttp import web
+
+log = logging.getLogger("tandem.serve")
+
+
+def engine_config(cfg):
+    """The :class:`EngineConfig` of a worker config file (``tandem.operator.spec.WorkerConfig``)."""
+    from tandem.operator.spec import kv_cache_bytes
+    from tandem.worker.engine.config import EngineConfig
+
+    src = cfg.model.source
+    if src.package:
+        model = f"package:{src.package}"
+    elif src.path:
+        model = src.path
+    else:
+        raise ValueError("model.source.pvc must be mounted and given as a path in the worker config")
+    e = cfg.engine
+    kw = {}
+    if kv_cache_bytes(e) is not None:
+        kw["kv_cache_bytes"] = kv_cache_bytes(e)
+    if e.kvCache.gpuMemoryFraction is not None:
+        kw["gpu_memory_fraction"] = e.kvCache.gpuMemoryFraction
+    return EngineConfig(model=model, dtype=cfg.model.dtype, quantization=cfg.model.quantization,
+                        max_model_len=cfg.model.maxModelLen or 0, block_size=e.blockSize,
+                        max_num_batched_tokens=e.maxNumBatchedTokens, max_num_seqs=e.maxNumSeqs,
+                        enable_prefix_caching=e.prefixCaching, attention_backend=e.attentionBackend,
+                        model_name=cfg.model.name, **kw)
+
+
+async def _run_site(app: web.Application, host: str, port: int, on_signal) -> None:
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda: asyncio.ensure_future(on_signal(stop)))
+    print(f"tandem serve: listening on http://{host}:{port}", flush=True)
+    await stop.wait()
+    await runner.cleanup()
+
+
+async def _serve_worker(args, cfg) -> None:
+    from tandem.worker.engine.async_engine import AsyncEngine
+    from tandem.worker.engine.llm_engine import LLMEngine
+    from tandem.worker.server.app import WorkerServer
+    from tandem.worker.transfer.tcp import KVTransferServer
+
+    engine = LLMEngine(engine_config(cfg))
+    aengine = AsyncEngine(engine)
+    aengine.start()
+    kv_server, kv_port = None, None
+    if args.role == "prefill":
+        kv_server = KVTransferServer(aengine, engine.kv_layout())
+        kv_port = await kv_server.start(args.host, args.kv_port if args.kv_port is not None else args.port + 1)
+        log.info("KV transfer server on %s:%d", args.host, kv_port)
+    server = WorkerServer(args.role, aengine, cfg.pool, engine.model_name, kv_server, kv_port)
+
+    async def on_signal(stop: asyncio.Event) -> None:
+        """SIGTERM: drain (stop admitting, turn not-ready), wait for in-flight work, then exit."""
+        server.start_drain()
+        t_end = asyncio.get_running_loop().time() + args.drain_timeout
+        while server.pending() and asyncio.get_running_loop().time() < t_end:
+            await asyncio.sleep(0.1)
+        log.info("drained (%d left); exiting", server.pending())
+        if kv_server:
+            await kv_server.stop()
+        aengine.stop()
+        stop.set()
+
+    await _run_site(server.app(), args.host, args.port, on_signal)
+
+
+async def _serve_router(args, cfg) -> None:
+    from tandem.worker.engine.loader import load_tokenizer
+    from tandem.worker.router.app import Router
+    from tandem.worker.router.discovery import make_discovery
+
+    ecfg = engine_config(cfg)
+    router = Router(cfg.pool, ecfg.model_name, ecfg.model, ecfg.dtype, ecfg.quantization,
+                    load_tokenizer(ecfg.model), ecfg.block_size, make_discovery(cfg.discovery),
+                    cfg.router.remotePrefillMinTokens, cfg.router.routing)
+
+    async def on_signal(stop: asyncio.Event) -> None:
+        stop.set()
+
+    await _run_site(router.app(), args.host, args.port, on_signal)
+
+
+def _serve(args) -> int:
+    from tandem.operator.spec import SpecError, load_worker_config
+
+    try:
+        cfg = load_worker_config(args.config)
+    except (OSError, SpecError) as e:
+        print(f"error: {args.config}: {e}", file=sys.stderr)
+        return 2
+    main = _serve_router if args.role == "router" else _serve_worker
+    asyncio.run(main(args, cfg))
+    return 0
+
+
+def _up(args) -> int:
+    from tandem.operator.local import run_up
+    return run_up(args)
+
+
+def add_serve_commands(sub) -> None:
+    s = sub.add_parser("serve", help="run one process of a pool: a worker or the router")
+    s.add_argument("--role", required=True, choices=["both", "prefill", "decode", "router"])
+    s.add_argument("--config", required=True, help="the worker config file (model, engine, router, discovery)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--kv-port", type=int, default=None,
+                   help="prefill role: the KV transfer port (default: --port + 1; 0 picks a free one)")
+    s.add_argument("--drain-timeout", type=float, default=120.0,
+                   help="seconds SIGTERM waits for in-flight requests before exiting")
+    s.set_defaults(func=_serve)
+
+    u = sub.add_parser("up", help="run an InferencePool manifest as local processes (the embedded default)")
+    u.add_argument("manifest", help="an InferencePool YAML, e.g. examples/smollm2.yaml")
+    u.add_argument("--host", default="127.0.0.1")
+    u.add_argument("--port", type=int, default=8000, help="the router's port (0: a free one)")
+    u.add_argument("--ask", default=None, metavar="QUESTION",
+                   help="once the pool is ready, send this chat question, print the answer, and stop")
+    u.set_defaults(func=_up)

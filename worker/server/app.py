@@ -1,0 +1,242 @@
+"""The worker's HTTP server (aiohttp): OpenAI routes, health, readiness, drain and metrics.
+
+Roles: ``both`` prefills and decodes locally; ``decode`` does the same unless the router names a
+prefill peer (header ``X-Tandem-Prefill-Peer``), in which case the prompt's KV is pulled from it;
+``prefill`` also runs the KV transfer server that decode workers pull from.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+
+import aiohttp
+from aiohttp import web
+
+from tandem.worker.engine.async_engine import AsyncEngine, EngineDead
+from tandem.worker.engine.sequence import InvalidRequestError, SamplingParams
+from tandem.worker.server.metrics import Metrics
+from tandem.worker.server.openai import (ChatCompletionRequest, CompletionRequest, ResponseBuilder,
+                                         error_body, parse_request)
+from tandem.worker.transfer import remote_prefill
+from tandem.worker.transfer.tcp import KVTransferServer
+
+log = logging.getLogger(__name__)
+
+PREFILL_PEER_HEADER = "X-Tandem-Prefill-Peer"
+TTFT_HEADER = "X-Tandem-TTFT-Seconds"
+
+
+def json_error(message: str, status: int, param: str | None = None) -> web.Response:
+    etype = "invalid_request_error" if status < 500 else "server_error"
+    if status == 404:
+        etype = "not_found_error"
+    return web.json_response(error_body(message, status, param, etype), status=status)
+
+
+class WorkerServer:
+    """One worker process's HTTP face.
+
+    Args:
+        role: ``both`` | ``prefill`` | ``decode``.
+        aengine: the started engine.
+        pool: the InferencePool name (metric label).
+        model_name: the OpenAI model name served.
+        kv_server: the KV transfer server (prefill role), else None.
+        transfer_deadline: seconds a remote prefill may take before decode prefills locally.
+    """
+
+    def __init__(self, role: str, aengine: AsyncEngine, pool: str, model_name: str,
+                 kv_server: KVTransferServer | None = None, kv_port: int | None = None,
+                 transfer_deadline: float = 120.0):
+        self.role, self.aengine, self.model_name = role, aengine, model_name
+        self.engine = aengine.engine
+        self.metrics = Metrics(role, pool, self.engine)
+        self.kv_server, self.kv_port = kv_server, kv_port
+        self.transfer_deadline = transfer_deadline
+        self.draining = False
+        self.in_flight = 0
+        self.session: aiohttp.ClientSession | None = None
+        self.peers: remote_prefill.PrefillPeers | None = None
+        if kv_server is not None:
+            kv_server.on_sent = self._on_sent
+
+    def _on_sent(self, nbytes: int, seconds: float) -> None:
+        self.metrics.kv_transfer_bytes.labels(**self.metrics.labels, direction="sent").inc(nbytes)
+        self.metrics.kv_transfer_seconds.observe(seconds)
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/ready", self.ready)
+        app.router.add_post("/drain", self.drain)
+        app.router.add_get("/drain", self.drain_status)
+        app.router.add_get("/metrics", self.metrics_route)
+        app.on_startup.append(self._startup)
+        app.on_cleanup.append(self._cleanup)
+        return app
+
+    async def _startup(self, app) -> None:
+        self.session = aiohttp.ClientSession()
+        self.peers = remote_prefill.PrefillPeers(self.session)
+
+    async def _cleanup(self, app) -> None:
+        await self.session.close()
+
+    # ---- status routes ----------------------------------------------------------------------
+    def pending(self) -> int:
+        """Requests and KV transfers still in flight (drain waits for 0)."""
+        return self.in_flight + (self.kv_server.active if self.kv_server else 0)
+
+    async def health(self, request: web.Request) -> web.Response:
+        bm = self.engine.block_manager
+        ok = self.aengine.error is None
+        return web.json_response({
+            "status": "ok" if ok else "engine_dead", "role": self.role, "model": self.model_name,
+            "kv_port": self.kv_port, "num_blocks": bm.num_blocks, "free_blocks": bm.num_free_blocks,
+            "kv_cache_usage": bm.usage(), "in_flight": self.pending(), "draining": self.draining,
+            "block_size": self.engine.config.block_size, "max_model_len": self.engine.max_model_len,
+        }, status=200 if ok else 500)
+
+    async def ready(self, request: web.Request) -> web.Response:
+        if self.draining or self.aengine.error is not None:
+            return web.json_response({"ready": False, "draining": self.draining}, status=503)
+        return web.json_response({"ready": True})
+
+    async def drain(self, request: web.Request) -> web.Response:
+        """Stop admitting work and turn not-ready; in-flight work finishes (``GET /drain`` shows it)."""
+        self.start_drain()
+        return await self.drain_status(request)
+
+    def start_drain(self) -> None:
+        if not self.draining:
+            log.info("draining: %d in flight", self.pending())
+        self.draining = True
+        if self.kv_server:
+            self.kv_server.accepting = False
+
+    async def drain_status(self, request: web.Request) -> web.Response:
+        n = self.pending()
+        return web.json_response({"draining": self.draining, "in_flight": n,
+                                  "drained": self.draining and n == 0})
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": self.model_name, "object": "model", "created": 0, "owned_by": "tandem",
+             "max_model_len": self.engine.max_model_len}]})
+
+    async def metrics_route(self, request: web.Request) -> web.Response:
+        self.metrics.in_flight.set(self.pending())
+        return web.Response(body=self.metrics.render(), content_type="text/plain")
+
+    # ---- OpenAI routes ----------------------------------------------------------------------
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=True)
+
+    def _prompt_ids(self, req, chat: bool) -> list[int]:
+        if chat:
+            return self.engine.tokenize_chat(req.message_dicts())
+        p = req.prompt
+        if isinstance(p, list) and p and all(isinstance(x, int) for x in p):
+            return list(p)
+        if isinstance(p, list):
+            if len(p) != 1:
+                raise InvalidRequestError("prompt", "only one prompt per request is supported")
+            p = p[0]
+        if not p:
+            raise InvalidRequestError("prompt", "must not be empty")
+        return self.engine.tokenize(p)
+
+    async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        t0 = time.monotonic()
+        if self.draining:
+            return json_error("worker is draining", 503)
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            return json_error(f"malformed JSON body: {e}", 400)
+        try:
+            req = parse_request(ChatCompletionRequest if chat else CompletionRequest, body)
+            if req.model != self.model_name:
+                return json_error(f"The model `{req.model}` does not exist.", 404, "model")
+            params = SamplingParams.parse(req.sampling())
+            ids = self._prompt_ids(req, chat)
+        except InvalidRequestError as e:
+            return json_error(str(e), 400, e.field)
+        rid = self.aengine.new_request_id("chat" if chat else "cmpl")
+        peer = request.headers.get(PREFILL_PEER_HEADER) if self.role == "decode" else None
+        self.in_flight += 1
+        try:
+            gen = remote_prefill.generate(self.aengine, rid, ids, params, peer, self.peers, self.metrics,
+                                          deadline=self.transfer_deadline)
+            builder = ResponseBuilder(chat, self.model_name, self.engine.tokenizer, len(ids))
+            try:
+                first = await gen.__anext__()
+            except InvalidRequestError as e:
+                return json_error(str(e), 400, e.field)
+            except EngineDead as e:
+                return json_error(str(e), 500)
+            if req.stream:
+                return await self._stream(request, req, builder, first, gen, t0)
+            return await self._collect(builder, first, gen, t0)
+        finally:
+            self.in_flight -= 1
+
+    async def _collect(self, builder, first, gen, t0) -> web.Response:
+        ttft = time.monotonic() - t0
+        text, samples, out = first.new_text, list(first.logprobs), first
+        async for out in gen:
+            text += out.new_text
+            samples += out.logprobs
+        self._finished(out, t0, ttft, [])
+        resp = web.json_response(builder.full(out.text, out.finish_reason, out.num_output_tokens, samples))
+        resp.headers[TTFT_HEADER] = f"{ttft:.6f}"
+        return resp
+
+    async def _stream(self, request, req, builder, first, gen, t0) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        if builder.chat:
+            await resp.write(builder.role_chunk())
+        ttft, last, itls, out = None, None, [], first
+        try:
+            async for out in _chain(first, gen):
+                now = time.monotonic()
+                if ttft is None:
+                    ttft = now - t0
+                elif last is not None:
+                    itls.append(now - last)
+                last = now
+                if out.new_text or out.finished or out.logprobs:
+                    await resp.write(builder.delta_chunk(out.new_text, out.finish_reason, out.logprobs))
+            if req.include_usage:
+                await resp.write(builder.usage_chunk(out.num_output_tokens))
+            await resp.write(builder.DONE)
+        except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+            log.info("client went away mid-stream; request aborted")
+            await gen.aclose()
+            return resp
+        except EngineDead as e:
+            await resp.write(b"data: " + json.dumps(error_body(str(e), 500, None, "server_error")).encode()
+                             + b"\n\n")
+            return resp
+        self._finished(out, t0, ttft, itls)
+        await resp.write_eof()
+        return resp
+
+    def _finished(self, out, t0, ttft, itls) -> None:
+        self.metrics.observe_request(ttft, time.monotonic() - t0, out.num_output_tokens, itls)
+        self.metrics.requests.labels(**self.metrics.labels, finished_reason=out.finish_reason).inc()
+
+
+async def _chain(first, gen):
+    yield first
+    async for out in gen:
+        yield out

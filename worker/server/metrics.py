@@ -1,0 +1,108 @@
+"""Prometheus metrics in vLLM's style with the ``tandem:`` prefix; every series carries role and pool.
+
+Latency histograms are observed by the server (or the router, with role="router"). Engine counters
+and gauges are read from the engine at scrape time, so the engine keeps one set of numbers.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+               120.0, 240.0, 480.0, 960.0)
+
+
+class Metrics:
+    """The metric set of one process.
+
+    Args:
+        role: ``both`` | ``prefill`` | ``decode`` | ``router``.
+        pool: the InferencePool name.
+        engine: the process's :class:`LLMEngine`, if it has one (its counters are exported).
+    """
+
+    def __init__(self, role: str, pool: str, engine=None):
+        self.registry = CollectorRegistry()
+        self.labels = {"role": role, "pool": pool}
+        self.engine = engine
+        names = ["role", "pool"]
+        r = self.registry
+
+        def hist(name, doc, buckets):
+            return Histogram(name, doc, names, buckets=buckets, registry=r).labels(**self.labels)
+
+        self.ttft = hist("tandem:time_to_first_token_seconds", "Time to first token (s).", TTFT_BUCKETS)
+        self.itl = hist("tandem:inter_token_latency_seconds", "Gap between consecutive tokens (s).", TPOT_BUCKETS)
+        self.tpot = hist("tandem:request_time_per_output_token_seconds",
+                         "(E2E - TTFT) / (output tokens - 1) per request (s).", TPOT_BUCKETS)
+        self.e2e = hist("tandem:e2e_request_latency_seconds", "Request latency (s).", E2E_BUCKETS)
+        self.queue_time = hist("tandem:request_queue_time_seconds", "Arrival to first scheduling (s).", TTFT_BUCKETS)
+        self.prefill_time = hist("tandem:request_prefill_time_seconds", "First scheduling to first token (s).",
+                                 TTFT_BUCKETS)
+        self.kv_transfer_seconds = hist("tandem:kv_transfer_seconds", "Duration of one KV transfer (s).",
+                                        TTFT_BUCKETS)
+        self.kv_transfer_bytes = Counter("tandem:kv_transfer_bytes", "KV bytes sent or received.",
+                                         names + ["direction"], registry=r)
+        self.requests = Counter("tandem:request_success", "Finished requests by finish reason.",
+                                names + ["finished_reason"], registry=r)
+        self.routing = Counter("tandem:router_routing_decisions", "Router decisions and why.",
+                               names + ["decision"], registry=r)
+        self.router_queued = Gauge("tandem:router_queued_requests", "Requests the router holds for lack of "
+                                   "a ready worker.", names, registry=r).labels(**self.labels)
+        self.in_flight = Gauge("tandem:requests_in_flight", "Requests this process is serving.", names,
+                               registry=r).labels(**self.labels)
+        if engine is not None:
+            r.register(_EngineCollector(engine, self.labels))
+
+    def observe_request(self, ttft: float | None, e2e: float, num_output_tokens: int,
+                        itls: list[float] | None = None) -> None:
+        """Record one finished request's latencies (seconds). TPOT only with >= 2 output tokens."""
+        if ttft is not None:
+            self.ttft.observe(ttft)
+            if num_output_tokens >= 2:
+                self.tpot.observe((e2e - ttft) / (num_output_tokens - 1))
+        self.e2e.observe(e2e)
+        for gap in itls or ():
+            self.itl.observe(gap)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _EngineCollector:
+    def __init__(self, engine, labels):
+        self.engine, self.labels = engine, labels
+
+    def collect(self):
+        e, names, values = self.engine, list(self.labels), list(self.labels.values())
+        bm, st = e.block_manager, e.stats
+
+        def counter(name, doc, value):
+            m = CounterMetricFamily(name, doc, labels=names)
+            m.add_metric(values, value)
+            return m
+
+        def gauge(name, doc, value):
+            m = GaugeMetricFamily(name, doc, labels=names)
+            m.add_metric(values, value)
+            return m
+
+        yield counter("tandem:prompt_tokens", "Prompt tokens received.", st.prompt_tokens)
+        yield counter("tandem:prompt_tokens_computed", "Prompt tokens this worker ran through the model.",
+                      st.prompt_tokens_computed)
+        yield counter("tandem:generation_tokens", "Tokens generated.", st.generation_tokens)
+        yield counter("tandem:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                      bm.prefix_queries)
+        yield counter("tandem:prefix_cache_hits", "Prompt tokens found in the prefix cache.", bm.prefix_hits)
+        yield counter("tandem:preemptions", "Sequences preempted (to be recomputed).", e.scheduler.num_preemptions)
+        yield counter("tandem:local_prefill_fallbacks", "Remote prefills given up for a local prefill.",
+                      st.local_prefill_fallbacks)
+        yield gauge("tandem:num_requests_running", "Sequences in the running batch.", len(e.scheduler.running))
+        yield gauge("tandem:num_requests_waiting", "Sequences queued (or awaiting remote KV).",
+                    len(e.scheduler.waiting) + len(e.scheduler.remote))
+        yield gauge("tandem:kv_cache_usage_perc", "Fraction of KV blocks held by requests (0..1).", bm.usage())
+        yield gauge("tandem:kv_cache_free_blocks", "KV blocks free or cached-free.", bm.num_free_blocks)

@@ -1,0 +1,175 @@
+"""OpenAI request schemas and response/chunk builders (the shapes of OpenAI's and vLLM's API)."""
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from tandem.worker.engine.sequence import InvalidRequestError
+
+log = logging.getLogger(__name__)
+
+_SAMPLING = ("temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos")
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: str
+    max_tokens: Optional[int] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    seed: Optional[int] = None
+    stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: Optional[list[int]] = None
+    ignore_eos: bool = False
+    n: int = Field(1, ge=1, le=1)
+    stream: bool = False
+    stream_options: Optional[dict[str, Any]] = None
+
+    def sampling(self) -> dict:
+        d = {k: getattr(self, k) for k in _SAMPLING if getattr(self, k) is not None}
+        d["max_tokens"] = self.max_tokens if self.max_tokens is not None else self._default_max_tokens()
+        return d
+
+    def _default_max_tokens(self) -> int:
+        return 16
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.get("include_usage"))
+
+
+class CompletionRequest(_Request):
+    prompt: Union[str, list[int], list[str]]
+    logprobs: Optional[int] = None
+    echo: Literal[False] = False
+
+    def sampling(self) -> dict:
+        d = super().sampling()
+        if self.logprobs is not None:
+            d["logprobs"] = self.logprobs
+        return d
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: Union[str, list[dict[str, Any]], None] = None
+
+
+class ChatCompletionRequest(_Request):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = None
+    logprobs: bool = False
+    top_logprobs: Optional[int] = None
+
+    def sampling(self) -> dict:
+        if self.max_tokens is None and self.max_completion_tokens is not None:
+            self.max_tokens = self.max_completion_tokens
+        d = super().sampling()
+        if self.logprobs:
+            d["logprobs"] = self.top_logprobs or 0
+        return d
+
+    def _default_max_tokens(self) -> int:
+        return 256
+
+    def message_dicts(self) -> list[dict]:
+        out = []
+        for m in self.messages:
+            content = m.content
+            if isinstance(content, list):  # content parts: keep the text ones
+                content = "".join(p.get("text", "") for p in content if p.get("type") == "text")
+            out.append({"role": m.role, "content": content or ""})
+        return out
+
+
+def parse_request(cls, body: Any):
+    """Validate a request body; raise InvalidRequestError naming the first bad field."""
+    if not isinstance(body, dict):
+        raise InvalidRequestError("", "the request body must be a JSON object")
+    try:
+        req = cls.model_validate(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(x) for x in err["loc"])
+        raise InvalidRequestError(loc, f"{err['msg']} (got {err.get('input')!r})"[:300]) from None
+    if req.model_extra:
+        log.info("ignoring unknown request fields: %s", sorted(req.model_extra))
+    return req
+
+
+def error_body(message: str, status: int, param: str | None = None,
+               etype: str = "invalid_request_error") -> dict:
+    return {"error": {"message": message, "type": etype, "param": param or None, "code": status}}
+
+
+class ResponseBuilder:
+    """Builds the bodies of one request's response, streaming or not."""
+
+    def __init__(self, chat: bool, model: str, tokenizer, num_prompt_tokens: int):
+        self.chat, self.model, self.tok = chat, model, tokenizer
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.num_prompt_tokens = num_prompt_tokens
+
+    def usage(self, completion_tokens: int) -> dict:
+        return {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": self.num_prompt_tokens + completion_tokens}
+
+    def _logprobs(self, samples) -> dict | None:
+        if not samples:
+            return None
+        toks = [self.tok.convert_ids_to_tokens(s.token_id) for s in samples]
+        if self.chat:
+            return {"content": [{
+                "token": t, "logprob": s.logprob, "bytes": list(t.encode()),
+                "top_logprobs": [{"token": self.tok.convert_ids_to_tokens(i), "logprob": lp,
+                                  "bytes": list(self.tok.convert_ids_to_tokens(i).encode())}
+                                 for i, lp in (s.top_logprobs or [])]} for t, s in zip(toks, samples)]}
+        return {"tokens": toks, "token_logprobs": [s.logprob for s in samples],
+                "top_logprobs": [{self.tok.convert_ids_to_tokens(i): lp for i, lp in (s.top_logprobs or [])}
+                                 for s in samples], "text_offset": []}
+
+    def full(self, text: str, finish_reason: str | None, completion_tokens: int, samples) -> dict:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "logprobs": self._logprobs(samples), "finish_reason": finish_reason}
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": text, "logprobs": self._logprobs(samples),
+                      "finish_reason": finish_reason}
+            obj = "text_completion"
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "choices": [choice], "usage": self.usage(completion_tokens)}
+
+    def _chunk(self, choices: list, usage: dict | None = None) -> bytes:
+        body = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": choices}
+        if usage is not None:
+            body["usage"] = usage
+        return b"data: " + json.dumps(body, ensure_ascii=False).encode() + b"\n\n"
+
+    def role_chunk(self) -> bytes:
+        return self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
+                             "logprobs": None, "finish_reason": None}])
+
+    def delta_chunk(self, text: str, finish_reason: str | None, samples) -> bytes:
+        if self.chat:
+            delta = {"content": text} if text or finish_reason is None else {}
+            choice = {"index": 0, "delta": delta, "logprobs": self._logprobs(samples),
+                      "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": self._logprobs(samples),
+                      "finish_reason": finish_reason}
+        return self._chunk([choice])
+
+    def usage_chunk(self, completion_tokens: int) -> bytes:
+        return self._chunk([], self.usage(completion_tokens))
+
+    DONE = b"data: [DONE]\n\n"

@@ -1,0 +1,110 @@
+"""The decode worker's side of a disaggregated request (DESIGN.md, "One request, end to end").
+
+The decode worker owns the request: it reserves KV blocks, pulls the prompt's KV from the named
+prefill worker into them, and then decodes. If the prefill worker is unreachable, refuses, or the
+transfer breaks or times out, the reserved blocks are freed and the prompt is prefilled locally;
+the client sees the same stream either way.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import AsyncIterator
+from urllib.parse import urlparse
+
+import aiohttp
+
+from tandem.worker.engine.async_engine import AsyncEngine
+from tandem.worker.engine.llm_engine import RequestOutput
+from tandem.worker.engine.sampler import SampleResult
+from tandem.worker.engine.sequence import SamplingParams
+from tandem.worker.transfer.protocol import TransferError
+from tandem.worker.transfer.tcp import pull_kv
+
+log = logging.getLogger(__name__)
+
+
+class PrefillPeers:
+    """Finds a prefill worker's KV port from its HTTP address (``GET /health`` -> ``kv_port``), cached."""
+
+    def __init__(self, session: aiohttp.ClientSession, timeout: float = 3.0):
+        self.session, self.timeout = session, timeout
+        self.ports: dict[str, int] = {}
+
+    async def kv_address(self, peer_url: str) -> tuple[str, int]:
+        host = urlparse(peer_url).hostname
+        if peer_url not in self.ports:
+            try:
+                async with self.session.get(peer_url.rstrip("/") + "/health",
+                                            timeout=aiohttp.ClientTimeout(total=self.timeout)) as r:
+                    info = await r.json()
+                self.ports[peer_url] = int(info["kv_port"])
+            except (aiohttp.ClientError, asyncio.TimeoutError, KeyError, ValueError, TypeError) as e:
+                raise TransferError(f"prefill worker {peer_url} unreachable: {e!r}") from None
+        return host, self.ports[peer_url]
+
+    def forget(self, peer_url: str) -> None:
+        self.ports.pop(peer_url, None)
+
+
+async def generate(aengine: AsyncEngine, request_id: str, prompt_token_ids: list[int],
+                   params: SamplingParams, prefill_peer: str | None, peers: PrefillPeers | None,
+                   metrics=None, deadline: float = 300.0) -> AsyncIterator[RequestOutput]:
+    """Yield the request's outputs; the prompt is prefilled on ``prefill_peer`` (an http URL) when
+    given, else locally. Raises InvalidRequestError before the first output for a bad request."""
+    if not prefill_peer or peers is None:
+        async for out in aengine.generate(request_id, prompt_token_ids, params):
+            yield out
+        return
+    engine = aengine.engine
+    q = aengine.open(request_id)
+    try:
+        seq = await aengine.call(engine.add_remote_request, request_id, prompt_token_ids, params)
+    except BaseException:
+        aengine.close(request_id)
+        raise
+    if seq is None:   # no room for the whole prompt now: queue a local prefill instead
+        aengine.close(request_id)
+        async for out in aengine.generate(request_id, prompt_token_ids, params):
+            yield out
+        return
+    first = None
+    t0 = time.monotonic()
+    try:
+        host, port = await peers.kv_address(prefill_peer)
+        hello = {"layout": engine.kv_layout(), "prompt_token_ids": prompt_token_ids,
+                 "params": {**params.model_dump(), "max_tokens": 1}}
+
+        async def on_blocks(first_block, data):
+            await aengine.call(engine.write_kv, request_id, first_block, data)
+
+        done, nbytes = await pull_kv(host, port, hello, on_blocks, deadline=deadline)
+        lp = done.get("logprob")
+        sample = SampleResult(done["token_id"], lp, [tuple(x) for x in done["top_logprobs"]]
+                              if done.get("top_logprobs") else None)
+        first = await aengine.call(engine.complete_remote, request_id, done["token_id"], sample)
+        if metrics is not None:
+            metrics.kv_transfer_bytes.labels(**metrics.labels, direction="received").inc(nbytes)
+            metrics.kv_transfer_seconds.observe(time.monotonic() - t0)
+    except TransferError as e:
+        log.warning("request %s: remote prefill failed, prefilling locally: %s", request_id, e)
+        peers.forget(prefill_peer)
+        await aengine.call(engine.fallback_local, request_id)
+    except BaseException:
+        aengine.close(request_id)
+        await asyncio.shield(aengine.call(engine.abort, request_id))
+        raise
+    if first is not None:
+        try:
+            yield first
+        except BaseException:
+            if not first.finished:
+                aengine.close(request_id)
+                await asyncio.shield(aengine.call(engine.abort, request_id))
+            raise
+        if first.finished:
+            aengine.close(request_id)
+            return
+    async for out in aengine.stream(request_id, q):
+        yield out

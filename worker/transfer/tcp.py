@@ -1,0 +1,161 @@
+"""KV transfer over TCP with asyncio streams: the baseline transport.
+
+The decode worker connects to the prefill worker's KV port and sends the prompt; the prefill worker
+runs it through its engine and pushes each run of KV blocks as soon as the step that computed them
+ends, so the transfer overlaps the rest of the prefill. Back-pressure is TCP's: the prefill side
+awaits ``drain()`` after every frame and the decode side reads the next frame only after the last
+one is written into its cache. Every wait has a deadline. On any failure the prefill side aborts its
+request (freeing its blocks) and the decode side raises :class:`TransferError`, after which its
+caller frees or reuses the reserved blocks (local prefill fallback).
+
+Other transports (NCCL, NIXL, Mooncake-style RDMA) would provide the same two calls:
+:meth:`KVTransferServer.start` on the prefill side and :func:`pull_kv` on the decode side.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Awaitable, Callable
+
+from tandem.worker.engine.async_engine import AsyncEngine
+from tandem.worker.engine.llm_engine import RequestOutput
+from tandem.worker.engine.sequence import InvalidRequestError
+from tandem.worker.transfer.protocol import (FrameType, TransferError, encode_frame, payload_to_tensor,
+                                             read_frame, tensor_to_payload)
+
+log = logging.getLogger(__name__)
+
+
+class KVTransferServer:
+    """The prefill worker's side: accepts transfers and streams KV blocks back.
+
+    Args:
+        aengine: the prefill worker's engine.
+        layout: this worker's KV layout (``LLMEngine.kv_layout()``).
+        on_sent: ``fn(num_bytes, seconds)`` per finished transfer (metrics).
+        hello_timeout: seconds to wait for a HELLO after accepting a connection.
+    """
+
+    def __init__(self, aengine: AsyncEngine, layout: dict, on_sent: Callable | None = None,
+                 hello_timeout: float = 10.0):
+        self.aengine, self.layout, self.on_sent = aengine, layout, on_sent
+        self.hello_timeout = hello_timeout
+        self.server: asyncio.AbstractServer | None = None
+        self.active = 0          # transfers in flight (drain waits for them)
+        self.accepting = True
+
+    async def start(self, host: str, port: int) -> int:
+        """Listen; returns the bound port (``port`` 0 picks a free one)."""
+        self.server = await asyncio.start_server(self._handle, host, port)
+        return self.server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        if self.server:
+            self.server.close()
+            await self.server.wait_closed()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.active += 1
+        sent, t0 = 0, time.monotonic()
+        try:
+            ftype, meta, _ = await asyncio.wait_for(read_frame(reader), self.hello_timeout)
+            if ftype != FrameType.HELLO:
+                raise TransferError(f"expected HELLO, got {ftype.name}")
+            if meta.get("layout") != self.layout:
+                msg = f"KV layout mismatch: prefill worker has {self.layout}, decode worker sent {meta.get('layout')}"
+                writer.writelines(encode_frame(FrameType.REJECT, {"message": msg}))
+                await writer.drain()
+                return
+            if not self.accepting:
+                writer.writelines(encode_frame(FrameType.REJECT, {"message": "prefill worker is draining"}))
+                await writer.drain()
+                return
+            rid = self.aengine.new_request_id("prefill")
+            q = self.aengine.open(rid)
+            post = self.aengine.post
+
+            def kv_sink(seq, first_block, data, rid=rid):   # engine thread
+                post(rid, (first_block, data))
+            try:
+                await self.aengine.call(self.aengine.engine.add_request, rid,
+                                        prompt_token_ids=meta["prompt_token_ids"], params=meta.get("params"),
+                                        kv_sink=kv_sink, stop_after_first_token=True)
+            except InvalidRequestError as e:
+                self.aengine.close(rid)
+                writer.writelines(encode_frame(FrameType.REJECT, {"message": str(e)}))
+                await writer.drain()
+                return
+            writer.writelines(encode_frame(FrameType.ACCEPT, {"request_id": rid}))
+            async for item in self.aengine.stream(rid, q):
+                if isinstance(item, RequestOutput):
+                    lp = item.logprobs[0] if item.logprobs else None
+                    writer.writelines(encode_frame(FrameType.DONE, {
+                        "token_id": item.new_token_ids[0],
+                        "logprob": lp.logprob if lp else None,
+                        "top_logprobs": lp.top_logprobs if lp else None,
+                        "num_cached_tokens": item.num_cached_tokens}))
+                    await writer.drain()
+                else:
+                    first_block, data = item
+                    tmeta, payload = tensor_to_payload(data)
+                    writer.writelines(encode_frame(FrameType.BLOCKS, {"first_block": first_block, **tmeta},
+                                                   payload))
+                    sent += len(payload)
+                    await writer.drain()
+            if self.on_sent:
+                self.on_sent(sent, time.monotonic() - t0)
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.TimeoutError, TransferError) as e:
+            log.warning("KV transfer to %s failed: %r", writer.get_extra_info("peername"), e)
+        finally:
+            self.active -= 1
+            writer.close()
+
+
+async def pull_kv(host: str, port: int, hello: dict,
+                  on_blocks: Callable[[int, object], Awaitable[None]],
+                  connect_timeout: float = 5.0, frame_timeout: float = 30.0,
+                  deadline: float = 300.0) -> tuple[dict, int]:
+    """The decode worker's side of one transfer.
+
+    Args:
+        host, port: the prefill worker's KV address.
+        hello: ``{layout, prompt_token_ids, params}``.
+        on_blocks: ``await on_blocks(first_block_index, tensor)`` for each received run of blocks
+            (``[layers, 2, n, block_size, Hk, D]``).
+        connect_timeout, frame_timeout, deadline: seconds for connecting, between two frames, and
+            for the whole transfer.
+
+    Returns:
+        ``(done_meta, bytes_received)``: the DONE frame's metadata (first token and its logprobs).
+
+    Raises:
+        TransferError: refused, connection lost, malformed frame, or a deadline passed.
+    """
+    t_end = time.monotonic() + deadline
+    received = 0
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), connect_timeout)
+    except (OSError, asyncio.TimeoutError) as e:
+        raise TransferError(f"cannot connect to prefill worker {host}:{port}: {e!r}") from None
+    try:
+        writer.writelines(encode_frame(FrameType.HELLO, hello))
+        await writer.drain()
+        while True:
+            left = t_end - time.monotonic()
+            if left <= 0:
+                raise TransferError(f"KV transfer from {host}:{port} passed its {deadline:.0f} s deadline")
+            ftype, meta, payload = await asyncio.wait_for(read_frame(reader), min(frame_timeout, left))
+            if ftype == FrameType.BLOCKS:
+                received += len(payload)
+                await on_blocks(meta["first_block"], payload_to_tensor(meta, payload))
+            elif ftype == FrameType.DONE:
+                return meta, received
+            elif ftype in (FrameType.REJECT, FrameType.ERROR):
+                raise TransferError(f"prefill worker {host}:{port} refused: {meta.get('message')}")
+            elif ftype != FrameType.ACCEPT:
+                raise TransferError(f"unexpected {ftype.name} frame")
+    except (OSError, asyncio.IncompleteReadError, asyncio.TimeoutError) as e:
+        raise TransferError(f"KV transfer from {host}:{port} broke: {e!r}") from None
+    finally:
+        writer.close()
