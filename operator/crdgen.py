@@ -177,7 +177,7 @@ def crd() -> dict[str, Any]:
         "properties": {
             "apiVersion": {"type": "string", "description": "API version."},
             "kind": {"type": "string", "description": "Kind."},
-            "metadata": {"type": "object", "description": "Standard object metadata."},
+            "metadata": {"type": "object"},  # the apiserver allows nothing else here
             "spec": spec_schema,
             "status": _status_schema(),
         },

@@ -126,8 +126,8 @@ class PVCSource(_Model):
     """A model stored on a PersistentVolumeClaim."""
     claimName: str = Field(description="Name of the PersistentVolumeClaim (same namespace as the pool).",
                            pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$", max_length=253)
-    path: str = Field("", description="Path inside the volume: a Hugging Face directory or a .gguf file. "
-                                      "Empty means the volume's root.", max_length=4096)
+    path: Optional[str] = Field(None, description="Path inside the volume: a Hugging Face directory or a .gguf "
+                                                  "file. Absent: the volume's root.", max_length=4096)
 
 
 class ModelSource(_Model):

@@ -1,0 +1,300 @@
+"""Pure functions from an InferencePool to the objects that should exist. No API calls here.
+
+`desired_objects(pool, caps, current_replicas)` returns plain dicts ready for server-side apply:
+the engine ConfigMap, router RBAC, three Services, three Deployments, PDBs, and (where the cluster has
+those CRDs) a ServiceMonitor and a Gateway API Inference Extension InferencePool. Each carries a
+controller owner reference to the pool, so deletion is left to the garbage collector.
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import yaml
+
+from . import spec as S
+
+LABEL_POOL = "serving.tandem.dev/pool"
+LABEL_ROLE = "serving.tandem.dev/role"
+ANN_CONFIG_HASH = "serving.tandem.dev/config-hash"
+ANN_DESIRED_HASH = "serving.tandem.dev/desired-hash"
+CONFIG_DIR = "/etc/tandem"
+MODELS_MOUNT = "/mnt/models"
+RUN_AS_USER = 10001
+
+#: Seconds a worker may take to drain in-flight requests before SIGKILL (preStop + SIGTERM).
+WORKER_GRACE_SECONDS = 120
+ROUTER_GRACE_SECONDS = 30
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What the cluster serves, found by discovery (the only non-spec input besides replicas)."""
+    pdb_api_version: str = "policy/v1"
+    service_monitor: bool = False                 # monitoring.coreos.com/v1 servicemonitors
+    gie_api_version: Optional[str] = None          # inference.networking.x-k8s.io/v1alpha2 or ...k8s.io/v1
+    pod_deletion_cost: bool = False                # 1.21+
+
+
+def labels(pool: str, role: Optional[str] = None) -> dict[str, str]:
+    out = {"app.kubernetes.io/name": "tandem", "app.kubernetes.io/instance": pool,
+           "app.kubernetes.io/managed-by": "tandem-operator", LABEL_POOL: pool}
+    if role:
+        out["app.kubernetes.io/component"] = role
+        out[LABEL_ROLE] = role
+    return out
+
+
+def selector(pool: str, role: str) -> dict[str, str]:
+    return {LABEL_POOL: pool, LABEL_ROLE: role}
+
+
+def owner_reference(pool: S.InferencePool) -> dict[str, Any]:
+    return {"apiVersion": S.API_VERSION, "kind": S.KIND, "name": pool.metadata.name,
+            "uid": pool.metadata.uid or "", "controller": True, "blockOwnerDeletion": True}
+
+
+def _meta(pool: S.InferencePool, name: str, role: Optional[str] = None) -> dict[str, Any]:
+    return {"name": name, "namespace": pool.metadata.namespace or "default",
+            "labels": labels(pool.metadata.name, role), "ownerReferences": [owner_reference(pool)]}
+
+
+def config_map_name(pool: str) -> str:
+    return f"{pool}-config"
+
+
+def router_sa_name(pool: str) -> str:
+    return f"{pool}-router"
+
+
+def kubernetes_worker_config(pool: S.InferencePool, role: str) -> S.WorkerConfig:
+    """The role's config as mounted in its pod: a PVC source becomes a path under MODELS_MOUNT."""
+    cfg = S.worker_config(pool, role)
+    src = cfg.model.source
+    if src.pvc is not None:
+        path = f"{MODELS_MOUNT}/{src.pvc.path}".rstrip("/") if src.pvc.path else MODELS_MOUNT
+        cfg.model.source = S.ModelSource(path=path)
+    return cfg
+
+
+def role_hash(pool: S.InferencePool, role: str) -> str:
+    """The hash of what a role's process reads from its config file; it sits in the pod template, so a
+    change rolls exactly the roles it affects."""
+    cfg = kubernetes_worker_config(pool, role)
+    return S.config_hash(S.role_config_relevant(cfg, role))
+
+
+def desired_replicas(role: S.RoleSpec, current: Optional[int]) -> int:
+    """Fixed replicas when autoscaling is off. When on, the autoscaler owns the count: keep the
+    current one clamped to [min, max], or start at minReplicas."""
+    a = role.autoscaling
+    if a is None or not a.enabled:
+        return S.initial_replicas(role)
+    if current is None:
+        return a.minReplicas
+    hi = a.maxReplicas if a.maxReplicas is not None else current
+    return max(a.minReplicas, min(hi, current))
+
+
+def _resources(r: S.ResourceRequirements) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if r.limits:
+        out["limits"] = dict(r.limits)
+    if r.requests:
+        out["requests"] = dict(r.requests)
+    # Extended resources (GPUs) must have requests == limits; Kubernetes defaults requests from limits.
+    return out
+
+
+def config_map(pool: S.InferencePool) -> dict[str, Any]:
+    name = pool.metadata.name
+    data = {f"{role}.yaml": kubernetes_worker_config(pool, role).to_yaml() for role in S.ROLES}
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(pool, config_map_name(name)), "data": data}
+
+
+def router_rbac(pool: S.InferencePool) -> list[dict[str, Any]]:
+    name = pool.metadata.name
+    sa = router_sa_name(name)
+    ns = pool.metadata.namespace or "default"
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(pool, sa, "router")},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": _meta(pool, sa, "router"),
+         "rules": [{"apiGroups": [""], "resources": ["endpoints"], "verbs": ["get", "list", "watch"]}]},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": _meta(pool, sa, "router"),
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": sa},
+         "subjects": [{"kind": "ServiceAccount", "name": sa, "namespace": ns}]},
+    ]
+
+
+def service(pool: S.InferencePool, role: str) -> dict[str, Any]:
+    name = pool.metadata.name
+    spec: dict[str, Any] = {"selector": selector(name, role),
+                            "ports": [{"name": "http", "port": S.WORKER_PORT, "targetPort": "http",
+                                       "protocol": "TCP"}]}
+    if role != "router":
+        spec["clusterIP"] = "None"  # headless: the router reads the ready endpoints
+        spec["publishNotReadyAddresses"] = False
+    else:
+        spec["type"] = "ClusterIP"
+    return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(pool, S.service_name(name, role), role),
+            "spec": spec}
+
+
+def deployment(pool: S.InferencePool, role: str, replicas: int) -> dict[str, Any]:
+    name = pool.metadata.name
+    sp = pool.spec
+    worker = role != "router"
+    grace = WORKER_GRACE_SECONDS if worker else ROUTER_GRACE_SECONDS
+    res = sp.router.resources if role == "router" else getattr(sp, role).resources
+    cmd = ["tandem", "serve", "--role", role, "--config", f"{CONFIG_DIR}/{role}.yaml",
+           "--host", "0.0.0.0", "--port", str(S.WORKER_PORT)]
+    volumes: list[dict[str, Any]] = [
+        {"name": "config", "configMap": {"name": config_map_name(name)}},
+        {"name": "tmp", "emptyDir": {}},
+    ]
+    mounts: list[dict[str, Any]] = [
+        {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+        {"name": "tmp", "mountPath": "/tmp"},
+    ]
+    if worker and sp.model.source.pvc is not None:
+        volumes.append({"name": "models", "persistentVolumeClaim": {"claimName": sp.model.source.pvc.claimName,
+                                                                    "readOnly": True}})
+        mounts.append({"name": "models", "mountPath": MODELS_MOUNT, "readOnly": True})
+    container: dict[str, Any] = {
+        "name": "tandem",
+        "image": sp.engine.image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": cmd,
+        "env": [
+            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+            {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+            {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+            {"name": "HOME", "value": "/tmp"},
+        ],
+        "ports": [{"name": "http", "containerPort": S.WORKER_PORT, "protocol": "TCP"}],
+        "resources": _resources(res),
+        "startupProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5,
+                         "failureThreshold": 120, "timeoutSeconds": 2},
+        "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10,
+                          "failureThreshold": 6, "timeoutSeconds": 5},
+        "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 5,
+                           "failureThreshold": 1, "successThreshold": 1, "timeoutSeconds": 2},
+        "lifecycle": {"preStop": {"exec": {"command": [
+            "python", "-m", "tandem.operator.drain", "--port", str(S.WORKER_PORT),
+            "--timeout", str(grace - 10)]}}},
+        "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                            "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]}},
+        "volumeMounts": mounts,
+    }
+    pod_spec: dict[str, Any] = {
+        "containers": [container],
+        "volumes": volumes,
+        "terminationGracePeriodSeconds": grace,
+        "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_AS_USER, "runAsGroup": RUN_AS_USER,
+                            "fsGroup": RUN_AS_USER, "seccompProfile": {"type": "RuntimeDefault"}},
+        "enableServiceLinks": False,
+    }
+    if role == "router":
+        pod_spec["serviceAccountName"] = router_sa_name(name)
+    else:
+        pod_spec["automountServiceAccountToken"] = False
+    tmpl_meta = {"labels": labels(name, role), "annotations": {ANN_CONFIG_HASH: role_hash(pool, role)}}
+    return {
+        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(pool, S.service_name(name, role), role),
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": selector(name, role)},
+            "revisionHistoryLimit": 3,
+            "progressDeadlineSeconds": 900,
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "template": {"metadata": tmpl_meta, "spec": pod_spec},
+        },
+    }
+
+
+def pdb(pool: S.InferencePool, role: str, api_version: str) -> dict[str, Any]:
+    name = pool.metadata.name
+    return {"apiVersion": api_version, "kind": "PodDisruptionBudget",
+            "metadata": _meta(pool, S.service_name(name, role), role),
+            "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector(name, role)}}}
+
+
+def service_monitor(pool: S.InferencePool) -> dict[str, Any]:
+    name = pool.metadata.name
+    return {"apiVersion": "monitoring.coreos.com/v1", "kind": "ServiceMonitor", "metadata": _meta(pool, name),
+            "spec": {"selector": {"matchLabels": {LABEL_POOL: name}},
+                     "endpoints": [{"port": "http", "path": "/metrics", "interval": "15s"}]}}
+
+
+def gie_inference_pool(pool: S.InferencePool, api_version: str) -> dict[str, Any]:
+    """A Gateway API Inference Extension InferencePool selecting the router pods on the router's port."""
+    name = pool.metadata.name
+    epp = pool.spec.gateway.endpointPickerRef  # type: ignore[union-attr]
+    sel = selector(name, "router")
+    if api_version.startswith("inference.networking.x-k8s.io/"):
+        spec = {"selector": sel, "targetPortNumber": S.WORKER_PORT,
+                "extensionRef": {"name": epp.name, "portNumber": epp.port, "failureMode": "FailClose"}}
+    else:  # inference.networking.k8s.io/v1
+        spec = {"selector": {"matchLabels": sel}, "targetPorts": [{"number": S.WORKER_PORT}],
+                "endpointPickerRef": {"name": epp.name, "port": {"number": epp.port}, "failureMode": "FailClose"}}
+    return {"apiVersion": api_version, "kind": "InferencePool", "metadata": _meta(pool, name), "spec": spec}
+
+
+def desired_objects(pool: S.InferencePool, caps: Capabilities = Capabilities(),
+                    current_replicas: Optional[dict[str, int]] = None) -> list[dict[str, Any]]:
+    """Every child the pool should have, in apply order."""
+    cur = current_replicas or {}
+    objs: list[dict[str, Any]] = [config_map(pool), *router_rbac(pool)]
+    objs += [service(pool, r) for r in S.ROLES]
+    reps = {"prefill": desired_replicas(pool.spec.prefill, cur.get("prefill")),
+            "decode": desired_replicas(pool.spec.decode, cur.get("decode")),
+            "router": pool.spec.router.replicas}
+    objs += [deployment(pool, r, reps[r]) for r in S.ROLES]
+    objs += [pdb(pool, r, caps.pdb_api_version) for r in S.ROLES]
+    if caps.service_monitor:
+        objs.append(service_monitor(pool))
+    if caps.gie_api_version and pool.spec.gateway is not None and pool.spec.gateway.endpointPickerRef is not None:
+        objs.append(gie_inference_pool(pool, caps.gie_api_version))
+    for o in objs:
+        o["metadata"].setdefault("annotations", {})[ANN_DESIRED_HASH] = desired_hash(o)
+    return objs
+
+
+def desired_hash(obj: dict[str, Any]) -> str:
+    o = copy.deepcopy(obj)
+    o["metadata"].get("annotations", {}).pop(ANN_DESIRED_HASH, None)
+    return hashlib.sha256(json.dumps(o, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
+
+
+def is_subset(want: Any, have: Any) -> bool:
+    """Whether everything in `want` is present and equal in `have` (the server adds defaults)."""
+    if isinstance(want, dict):
+        if not isinstance(have, dict):
+            return False
+        return all(k in have and is_subset(v, have[k]) for k, v in want.items())
+    if isinstance(want, list):
+        if not isinstance(have, list) or len(want) != len(have):
+            return False
+        return all(is_subset(w, h) for w, h in zip(want, have))
+    if isinstance(want, (int, float)) and isinstance(have, (int, float)) and not isinstance(want, bool):
+        return want == have
+    return want == have
+
+
+def needs_apply(want: dict[str, Any], have: Optional[dict[str, Any]]) -> bool:
+    """Compare before applying: apply when the object is missing, was made from another desired state
+    (hash annotation), or had one of our fields changed by someone else."""
+    if have is None:
+        return True
+    ann = (have.get("metadata") or {}).get("annotations") or {}
+    if ann.get(ANN_DESIRED_HASH) != want["metadata"]["annotations"][ANN_DESIRED_HASH]:
+        return True
+    w = {k: v for k, v in want.items() if k not in ("apiVersion", "kind", "status")}
+    return not is_subset(w, have)
+
+
+def dump(objs: list[dict[str, Any]]) -> str:
+    return yaml.safe_dump_all(objs, sort_keys=False)

@@ -1,0 +1,230 @@
+"""One reconcile pass of an InferencePool: validate, compute the desired children, apply only what
+differs (server-side apply, one field manager), then write status from what is observed.
+
+Synchronous; both the Kopf handlers and the periodic resync loop call `Reconciler.reconcile` (in a
+worker thread). A per-pool lock keeps two passes of one pool from interleaving.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from . import desired as D
+from . import spec as S
+from .kube import Kube, KubeError, object_path, path_of
+
+log = logging.getLogger("tandem.operator")
+
+GIE_VERSIONS = ("inference.networking.k8s.io/v1", "inference.networking.x-k8s.io/v1alpha2")
+
+
+def now() -> str:
+    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclass
+class Result:
+    applied: list[str] = field(default_factory=list)
+    unchanged: int = 0
+    status_written: bool = False
+    problems: list[tuple[str, str]] = field(default_factory=list)
+    error: Optional[str] = None
+
+
+def pool_path(ns: str, name: str, sub: Optional[str] = None) -> str:
+    return object_path(S.API_VERSION, S.PLURAL, ns, name, sub)
+
+
+class Reconciler:
+    def __init__(self, kube: Kube, events: bool = True):
+        self.kube = kube
+        self.events = events
+        self._locks: dict[str, threading.Lock] = {}
+        self._locks_guard = threading.Lock()
+        self.stats = {"passes": 0, "applies": 0, "errors": 0}
+
+    def _lock(self, key: str) -> threading.Lock:
+        with self._locks_guard:
+            return self._locks.setdefault(key, threading.Lock())
+
+    # ---- discovery ------------------------------------------------------------------------------
+    def capabilities(self) -> D.Capabilities:
+        k = self.kube
+        gie = next((v for v in GIE_VERSIONS if k.has(v, "inferencepools", ttl=30)), None)
+        return D.Capabilities(pdb_api_version=k.pdb_api_version(),
+                              service_monitor=k.has("monitoring.coreos.com/v1", "servicemonitors", ttl=30),
+                              gie_api_version=gie, pod_deletion_cost=False)
+
+    # ---- events ---------------------------------------------------------------------------------
+    def event(self, body: dict, reason: str, message: str, type_: str = "Normal") -> None:
+        if not self.events:
+            return
+        md = body["metadata"]
+        ns = md.get("namespace") or "default"
+        t = now()
+        ev = {"apiVersion": "v1", "kind": "Event",
+              "metadata": {"name": f"{md['name']}.{uuid.uuid4().hex[:12]}", "namespace": ns},
+              "involvedObject": {"apiVersion": S.API_VERSION, "kind": S.KIND, "name": md["name"], "namespace": ns,
+                                 "uid": md.get("uid"), "resourceVersion": md.get("resourceVersion")},
+              "reason": reason, "message": message[:1000], "type": type_,
+              "firstTimestamp": t, "lastTimestamp": t, "count": 1,
+              "source": {"component": "tandem-operator"}, "reportingComponent": "tandem-operator"}
+        try:
+            self.kube.request("POST", object_path("v1", "events", ns), body=ev)
+        except KubeError as e:  # events are best effort
+            log.warning("event %s for %s/%s: %s", reason, ns, md["name"], e)
+
+    # ---- the pass -------------------------------------------------------------------------------
+    def reconcile(self, body: dict, reason: str = "resync") -> Result:
+        md = body["metadata"]
+        ns, name = md.get("namespace") or "default", md["name"]
+        with self._lock(f"{ns}/{name}"):
+            self.stats["passes"] += 1
+            return self._reconcile(body, reason)
+
+    def _reconcile(self, body: dict, reason: str) -> Result:
+        res = Result()
+        md = body["metadata"]
+        ns, name = md.get("namespace") or "default", md["name"]
+        old_status = dict(body.get("status") or {})
+        generation = md.get("generation")
+        try:
+            pool = S.load_manifest({k: body[k] for k in ("apiVersion", "kind", "metadata", "spec") if k in body})
+        except S.SpecError as e:
+            res.problems = e.problems
+            msg = "; ".join(f"{p}: {m}" for p, m in e.problems)
+            st = self._status(old_status, generation, None, degraded=("InvalidSpec", msg))
+            res.status_written = self._write_status(ns, name, old_status, st)
+            if res.status_written:
+                self.event(body, "InvalidSpec", msg, "Warning")
+            return res
+        if pool.metadata.namespace is None:
+            pool.metadata.namespace = ns
+        try:
+            caps = self.capabilities()
+            current: dict[str, int] = {}
+            existing: dict[str, Optional[dict]] = {}
+            for role in ("prefill", "decode"):
+                d = self.kube.get(object_path("apps/v1", "deployments", ns, S.service_name(name, role)))
+                existing[role] = d
+                if d is not None:
+                    current[role] = d.get("spec", {}).get("replicas", 1)
+            want = D.desired_objects(pool, caps, current)
+            deployments: dict[str, dict] = {}
+            for obj in want:
+                path = path_of(obj)
+                have = self.kube.get(path)
+                if D.needs_apply(obj, have):
+                    have = self.kube.apply(path, obj)
+                    res.applied.append(f"{obj['kind']}/{obj['metadata']['name']}")
+                    self.stats["applies"] += 1
+                else:
+                    res.unchanged += 1
+                if obj["kind"] == "Deployment":
+                    deployments[obj["metadata"]["labels"][D.LABEL_ROLE]] = have
+        except KubeError as e:
+            self.stats["errors"] += 1
+            res.error = str(e)
+            st = self._status(old_status, generation, None, degraded=("ApplyFailed", str(e)[:500]))
+            try:
+                self._write_status(ns, name, old_status, st)
+            except KubeError:
+                pass
+            raise
+        if res.applied:
+            verb = {"create": "Created", "update": "Updated", "resume": "Repaired"}.get(reason, "Reconciled")
+            self.event(body, verb, f"applied {len(res.applied)} object(s): {', '.join(res.applied)}")
+        st = self._status(old_status, generation, deployments)
+        res.status_written = self._write_status(ns, name, old_status, st)
+        return res
+
+    # ---- status ---------------------------------------------------------------------------------
+    @staticmethod
+    def role_status(dep: Optional[dict]) -> dict[str, Any]:
+        if dep is None:
+            return {"desiredReplicas": 0, "replicas": 0, "readyReplicas": 0, "summary": "0/0"}
+        spec, st = dep.get("spec", {}), dep.get("status", {}) or {}
+        want = spec.get("replicas", 1)
+        ready = st.get("readyReplicas", 0) or 0
+        tmpl_ann = (spec.get("template", {}).get("metadata", {}) or {}).get("annotations", {}) or {}
+        return {"desiredReplicas": want, "replicas": st.get("replicas", 0) or 0, "readyReplicas": ready,
+                "summary": f"{ready}/{want}", "configHash": tmpl_ann.get(D.ANN_CONFIG_HASH, "")}
+
+    @staticmethod
+    def rolled_out(dep: Optional[dict]) -> bool:
+        if dep is None:
+            return False
+        spec, st = dep.get("spec", {}), dep.get("status", {}) or {}
+        want = spec.get("replicas", 1)
+        return (st.get("observedGeneration", 0) >= dep["metadata"].get("generation", 0)
+                and (st.get("updatedReplicas", 0) or 0) == want and (st.get("replicas", 0) or 0) == want
+                and (st.get("readyReplicas", 0) or 0) >= want)
+
+    def _status(self, old: dict, generation: Optional[int], deps: Optional[dict[str, dict]],
+                degraded: Optional[tuple[str, str]] = None) -> dict[str, Any]:
+        st: dict[str, Any] = {"observedGeneration": generation}
+        conds: dict[str, tuple[str, str, str]] = {}
+        if deps is not None:
+            for role in S.ROLES:
+                st[role] = self.role_status(deps.get(role))
+            ok = all(self.rolled_out(deps.get(r)) for r in S.ROLES)
+            waiting = [r for r in S.ROLES if not self.rolled_out(deps.get(r))]
+            conds["Ready"] = ("True", "AllRolesReady", "every role has its ready replicas") if ok else \
+                ("False", "RolesNotReady", "waiting for: " + ", ".join(waiting))
+            conds["Progressing"] = ("False", "RolledOut", "all roles are rolled out") if ok else \
+                ("True", "RollingOut", "rolling out: " + ", ".join(waiting))
+        else:
+            for role in S.ROLES:
+                if role in old:
+                    st[role] = old[role]
+            assert degraded is not None
+            prev_ready = {c.get("type"): c for c in old.get("conditions", [])}.get("Ready")
+            if prev_ready and degraded[0] == "ApplyFailed":  # the children are as they were
+                conds["Ready"] = (prev_ready["status"], prev_ready.get("reason", ""), prev_ready.get("message", ""))
+            else:
+                conds["Ready"] = ("False", degraded[0], degraded[1])
+            conds["Progressing"] = ("False", degraded[0], "not reconciled")
+        conds["Degraded"] = ("True", *degraded) if degraded else ("False", "Reconciled", "spec is valid and applied")
+        prev = {c.get("type"): c for c in old.get("conditions", [])}
+        out = []
+        for t in ("Ready", "Progressing", "Degraded"):
+            s, r, m = conds[t]
+            p = prev.get(t)
+            ltt = p.get("lastTransitionTime") if p and p.get("status") == s else now()
+            out.append({"type": t, "status": s, "reason": r, "message": m, "lastTransitionTime": ltt,
+                        "observedGeneration": generation})
+        if "ScalingLimited" in prev:  # owned by the autoscaler: keep it
+            out.append(prev["ScalingLimited"])
+        st["conditions"] = out
+        for k in ("observed", "lastScalingDecisions"):  # written by the autoscaler
+            if k in old:
+                st[k] = old[k]
+        return st
+
+    def _write_status(self, ns: str, name: str, old: dict, new: dict) -> bool:
+        keys = set(new)
+        if {k: old.get(k) for k in keys} == new:
+            return False
+        try:
+            self.kube.merge_patch(pool_path(ns, name, "status"), {"status": new})
+        except KubeError as e:
+            if e.status == 404:
+                return False
+            raise
+        return True
+
+
+def list_pools(kube: Kube, namespaces: Optional[list[str]] = None) -> list[dict]:
+    if not namespaces:
+        doc = kube.request("GET", object_path(S.API_VERSION, S.PLURAL, None))
+        return doc.get("items", [])
+    out = []
+    for ns in namespaces:
+        doc = kube.request("GET", object_path(S.API_VERSION, S.PLURAL, ns))
+        out += doc.get("items", [])
+    return out
