@@ -19,8 +19,17 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 
 
+# BENCH_CPU_SMOKE=1: run a part's code paths on the CPU under the Triton interpreter, at toy sizes,
+# to check the harness itself before spending GPU time. Its figures mean nothing.
+SMOKE = os.environ.get("BENCH_CPU_SMOKE", "0") not in ("", "0")
+
+
 def require_cuda(part: str) -> torch.device:
     """Exit with a clear message (status 2) when there is no CUDA device."""
+    if SMOKE:
+        os.environ["TRITON_INTERPRET"] = "1"
+        print(f"{part}: CPU smoke run (BENCH_CPU_SMOKE=1): toy sizes, meaningless figures", file=sys.stderr)
+        return torch.device("cpu")
     if not torch.cuda.is_available():
         print(f"{part}: needs a CUDA GPU (torch {torch.__version__} sees none); "
               f"these figures can only be measured on a GPU machine", file=sys.stderr)
@@ -46,7 +55,7 @@ def environment() -> dict:
     except Exception:
         commit = "unknown"
     import triton
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (dry run)"
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (smoke/dry run)"
     return {"gpu": gpu, "torch": torch.__version__, "triton": triton.__version__,
             "commit": commit, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
@@ -66,6 +75,11 @@ _ENV_CACHE: dict = {}
 def cuda_time_ms(fn, warmup: int = 3, reps: int = 20, budget_s: float = 2.0) -> float:
     """Median milliseconds of ``fn()`` with CUDA events, each rep timed alone (L2 not flushed:
     inputs here are far larger than the 60 MB L2 at the sizes that matter)."""
+    if SMOKE:
+        fn()
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()

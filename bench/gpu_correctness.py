@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_common import paged_cache, record, rel_err, require_cuda, table  # noqa: E402
+from gpu_common import SMOKE, paged_cache, record, rel_err, require_cuda, table  # noqa: E402
 
 
 def main() -> int:
@@ -24,6 +24,17 @@ def main() -> int:
     torch.manual_seed(0)
     TOL = {torch.bfloat16: 1e-2, torch.float16: 5e-3, torch.float32: 1e-4}
     rows = []
+    # sizes: (rows, hidden, mlp, rope tokens, max position, prefill lens, prefill q lens, fp8 M/N/K)
+    if SMOKE:  # interpreter: toy sizes, and no bf16 (the interpreter computes it wrongly)
+        dtypes = (torch.float16, torch.float32)
+        T, H, I, TT, MAXPOS = 8, 256, 128, 16, 1024
+        LENS, QLENS, FP8 = [1, 17, 40], [1, 17, 5], (8, 64, 128)
+        FP8_LENS, FP8_QLENS = [30, 45], [30, 5]
+    else:
+        dtypes = (torch.bfloat16, torch.float16)
+        T, H, I, TT, MAXPOS = 4096, 4096, 14336, 2048, 131072
+        LENS, QLENS, FP8 = [1, 17, 1000, 2048, 3001], [1, 17, 200, 2048, 1], (300, 1024, 4096)
+        FP8_LENS, FP8_QLENS = [700, 1500], [700, 300]
 
     def check(name, dtype, out, ref, tol=None):
         tol = TOL[dtype] if tol is None else tol
@@ -33,8 +44,8 @@ def main() -> int:
                      "ok": "ok" if ok else "FAIL"})
         record("correctness", kernel=name, dtype=str(dtype)[6:], rel_err=err, tol=tol, ok=ok)
 
-    for dtype in (torch.bfloat16, torch.float16):
-        t, h = 4096, 4096
+    for dtype in dtypes:
+        t, h = T, H
         x = torch.randn(t, h, dtype=dtype, device=dev)
         r = torch.randn_like(x)
         w = torch.rand(h, dtype=dtype, device=dev) + 0.5
@@ -43,18 +54,18 @@ def main() -> int:
         o_ref, res_ref = norm.rms_norm_ref(x.double(), w.double(), 1e-5, r.double())
         check("rms_norm+residual", dtype, o, o_ref)
         check("rms_norm residual out", dtype, res, res_ref)
-        g = torch.randn(t, 2 * 14336, dtype=dtype, device=dev)
+        g = torch.randn(t, 2 * I, dtype=dtype, device=dev)
         check("silu_and_mul", dtype, activation.silu_and_mul_triton(g), activation.silu_and_mul_ref(g.double()))
 
         # RoPE (Llama-3.1 scaling) + cache write: q/k/v as views of one qkv projection
-        hq, hk, d, bs, tt = 32, 8, 128, 16, 2048
+        hq, hk, d, bs, tt = 32, 8, 128, 16, TT
         qkv = torch.randn(tt, (hq + 2 * hk) * d, dtype=dtype, device=dev)
         q, k, v = qkv.split([hq * d, hk * d, hk * d], -1)
         q, k, v = q.view(tt, hq, d), k.view(tt, hk, d), v.view(tt, hk, d)
-        cs = rope.build_cos_sin_cache(d, 131072, 500000.0, {"rope_type": "llama3", "factor": 8.0,
+        cs = rope.build_cos_sin_cache(d, MAXPOS, 500000.0, {"rope_type": "llama3", "factor": 8.0,
                                       "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                       "original_max_position_embeddings": 8192}, device=dev)
-        pos = torch.randint(0, 131072, (tt,), device=dev)
+        pos = torch.randint(0, MAXPOS, (tt,), device=dev)
         slots = torch.randperm(tt + 64, device=dev)[:tt]
         kc = torch.full(((tt + 64) // bs, bs, hk, d), float("nan"), dtype=dtype, device=dev)
         vc = kc.clone()
@@ -68,8 +79,7 @@ def main() -> int:
         check("rope v cache", dtype, vc[m], vc64[m])
 
         for hq, hk, d in ((32, 8, 128), (9, 3, 64)):
-            lens = [1, 17, 1000, 2048, 3001]
-            qlens = [1, 17, 200, 2048, 1]   # with and without a cached prefix
+            lens, qlens = LENS, QLENS   # with and without a cached prefix
             kc, vc, tables = paged_cache(lens, hk, d, 16, dtype, dev)
             seq_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
             cu = torch.tensor([0] + qlens, device=dev).cumsum(0).int()
@@ -84,10 +94,11 @@ def main() -> int:
                       attention.decode_attention_ref(qd.double(), kc.double(), vc.double(), tables, seq_lens, d ** -0.5))
 
     # FP8
-    for dtype in (torch.bfloat16, torch.float16):
-        x = torch.randn(300, 4096, dtype=dtype, device=dev)
-        w = torch.randn(1024, 4096, dtype=dtype, device=dev) * 0.02
-        b = torch.randn(1024, dtype=dtype, device=dev)
+    for dtype in dtypes:
+        m, n, k = FP8
+        x = torch.randn(m, k, dtype=dtype, device=dev)
+        w = torch.randn(n, k, dtype=dtype, device=dev) * 0.02
+        b = torch.randn(n, dtype=dtype, device=dev)
         xq, xs = fp8.quantize_per_token_fp8_triton(x)
         xq_ref, xs_ref = fp8.quantize_per_token_fp8_ref(x)
         same = bool(torch.equal(xq.view(torch.uint8), xq_ref.view(torch.uint8)) and torch.equal(xs, xs_ref))
@@ -100,7 +111,7 @@ def main() -> int:
         check("fp8_linear vs unquantized", dtype, out, x.double() @ w.double().t() + b.double(), 5e-2)
 
         hq, hk, d, kv_scale = 32, 8, 128, 0.05
-        lens, qlens = [700, 1500], [700, 300]
+        lens, qlens = FP8_LENS, FP8_QLENS
         kc, vc, tables = paged_cache(lens, hk, d, 16, torch.float32, dev)
         kc8, vc8 = (rope.to_cache_dtype(c, torch.float8_e4m3fn, kv_scale) for c in (kc, vc))
         seq_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
@@ -116,6 +127,8 @@ def main() -> int:
               attention.decode_attention_ref(qd.double(), kc8, vc8, tables, seq_lens, d ** -0.5, kv_scale=kv_scale),
               max(1e-3, TOL[dtype]))
 
+    if SMOKE:
+        return _report(rows)
     # A decode step captured in a CUDA graph: replays must equal eager runs.
     dtype, hq, hk, d, bs, bsz = torch.bfloat16, 32, 8, 128, 16, 8
     lens = [100 + 37 * i for i in range(bsz)]
@@ -146,6 +159,10 @@ def main() -> int:
     rows.append({"kernel": "decode step in a CUDA graph == eager", "dtype": "bfloat16", "ok": "ok" if same else "FAIL"})
     record("correctness", kernel="cuda graph decode step", dtype="bfloat16", ok=same)
 
+    return _report(rows)
+
+
+def _report(rows) -> int:
     print(table(rows, ["kernel", "dtype", "rel_err", "tol", "ok"]))
     failed = [r for r in rows if r["ok"] != "ok"]
     print(f"\ncorrectness: {len(rows) - len(failed)} ok, {len(failed)} failed")

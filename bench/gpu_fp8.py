@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_common import cuda_time_ms, record, rel_err, require_cuda, table  # noqa: E402
+from gpu_common import SMOKE, cuda_time_ms, record, rel_err, require_cuda, table  # noqa: E402
 
 
 def main() -> int:
@@ -23,10 +23,13 @@ def main() -> int:
     torch.manual_seed(0)
     rows = []
     shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-    for t in (1, 32, 2048, 8192):
+    dtype = torch.bfloat16 if not SMOKE else torch.float16
+    if SMOKE:
+        shapes = {"qkv": (96, 64), "down": (64, 160)}
+    for t in ((1, 32, 2048, 8192) if not SMOKE else (1, 20)):
         for name, (n, k) in shapes.items():
-            x = torch.randn(t, k, dtype=torch.bfloat16, device=dev)
-            w = torch.randn(n, k, dtype=torch.bfloat16, device=dev) * 0.02
+            x = torch.randn(t, k, dtype=dtype, device=dev)
+            w = torch.randn(n, k, dtype=dtype, device=dev) * 0.02
             w8, ws = fp8.quantize_weight_fp8(w)
             ms8 = cuda_time_ms(lambda: fp8.fp8_linear_triton(x, w8, ws))
             ms16 = cuda_time_ms(lambda: F.linear(x, w))

@@ -8,9 +8,11 @@
 * Decode attention, batch 1/16/64 over contexts of 1k..32k: bandwidth = bytes of K and V read
   (B * ctx * Hk * D * 2 * 2 bytes) over the median time; SDPA (enable_gqa) gets contiguous caches.
 
-CUDA events, median of up to 20 reps. ``--quick`` runs a subset (for a first look, ~30 s).
+CUDA events, median of up to 20 reps. ``--quick`` runs a subset (for a first look, ~30 s);
+``--sweep`` times alternative tile configurations of both kernels (to pick PREFILL_CONFIG /
+DECODE_CONFIG on a new GPU).
 
-    python bench/gpu_kernels.py [--quick] [--only prefill|decode]
+    python bench/gpu_kernels.py [--quick] [--only prefill|decode] [--sweep]
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_common import cuda_time_ms, paged_cache, record, require_cuda, table  # noqa: E402
+from gpu_common import SMOKE, cuda_time_ms, paged_cache, record, require_cuda, table  # noqa: E402
 
 
 def sdpa_backends():
@@ -29,11 +31,12 @@ def sdpa_backends():
 
 def bench_prefill(dev, lengths, rows):
     import torch
+    dtype = torch.bfloat16 if not SMOKE else torch.float16
     import torch.nn.functional as F
     from torch.nn.attention import sdpa_kernel
 
     from tandem.kernels.prefill import prefill_attention_triton
-    hq, hk, d, bs, dtype = 32, 8, 128, 16, torch.bfloat16
+    hq, hk, d, bs = 32, 8, 128, 16
     scale = d ** -0.5
     for n in lengths:
         flops = 2.0 * n * n * hq * d
@@ -74,10 +77,11 @@ def bench_prefill(dev, lengths, rows):
 
 def bench_decode(dev, batches, contexts, rows):
     import torch
+    dtype = torch.bfloat16 if not SMOKE else torch.float16
     import torch.nn.functional as F
 
     from tandem.kernels.decode import decode_attention_triton
-    hq, hk, d, bs, dtype = 32, 8, 128, 16, torch.bfloat16
+    hq, hk, d, bs = 32, 8, 128, 16
     scale = d ** -0.5
     for bsz in batches:
         for ctx in contexts:
@@ -103,20 +107,76 @@ def bench_decode(dev, batches, contexts, rows):
             del kc, vc, kk, vv
 
 
+def sweep(dev):
+    """Time tile configurations: prefill at 8k/16k (d=128, bf16), decode at batch 1 and 64, ctx 8k."""
+    import torch
+
+    from tandem.kernels import decode, prefill
+    hq, hk, d, bs = 32, 8, 128, 16
+    dtype = torch.bfloat16 if not SMOKE else torch.float16
+    rows = []
+    base_p = dict(prefill.PREFILL_CONFIG["gpu16"])
+    if SMOKE:  # the interpreter takes its own tiles; point it at the table being swept
+        prefill.PREFILL_CONFIG["interpret"] = None
+        prefill.prefill_config = lambda d_pad, dtype: prefill.PREFILL_CONFIG["gpu16"][d_pad]
+    for cfg in [(128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3),
+                (128, 32, 4, 4), (256, 64, 8, 2)]:
+        prefill.PREFILL_CONFIG["gpu16"][128] = cfg
+        for n in ((8192, 16384) if not SMOKE else (40,)):
+            kc, vc, tables = paged_cache([n], hk, d, bs, dtype, dev)
+            q = torch.randn(n, hq, d, dtype=dtype, device=dev)
+            lens = torch.tensor([n], dtype=torch.int32, device=dev)
+            cu = torch.tensor([0, n], dtype=torch.int32, device=dev)
+            try:
+                ms = cuda_time_ms(lambda: prefill.prefill_attention_triton(q, kc, vc, tables, cu, lens, d ** -0.5))
+                tf = 2.0 * n * n * hq * d / ms / 1e9
+            except Exception as e:  # out of shared memory, say
+                ms, tf = float("nan"), f"{type(e).__name__}"
+            row = {"kernel": "prefill", "config (BM,BN,warps,stages)": str(cfg), "size": n, "ms": ms, "TF/s": tf}
+            rows.append(row)
+            record("sweep", **{k.replace(" ", "_"): v for k, v in row.items()})
+    prefill.PREFILL_CONFIG["gpu16"].clear()
+    prefill.PREFILL_CONFIG["gpu16"].update(base_p)
+    base_d = dict(decode.DECODE_CONFIG["gpu"])
+    for block_n, warps, stages in [(64, 4, 2), (32, 4, 3), (128, 4, 2), (128, 8, 2), (64, 4, 4)]:
+        decode.DECODE_CONFIG["gpu"].update(BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+        for bsz in (1, 64):
+            ctx = 8192 if not SMOKE else 40
+            kc, vc, tables = paged_cache([ctx] * bsz, hk, d, bs, dtype, dev)
+            q = torch.randn(bsz, hq, d, dtype=dtype, device=dev)
+            lens = torch.full((bsz,), ctx, dtype=torch.int32, device=dev)
+            ms = cuda_time_ms(lambda: decode.decode_attention_triton(q, kc, vc, tables, lens, d ** -0.5))
+            row = {"kernel": "decode", "config (BN,warps,stages)": str((block_n, warps, stages)),
+                   "size": f"b{bsz} ctx{ctx}", "ms": ms, "TB/s": bsz * ctx * hk * d * 4 / ms / 1e9}
+            rows.append(row)
+            record("sweep", **{k.replace(" ", "_"): v for k, v in row.items()})
+    decode.DECODE_CONFIG["gpu"].update(base_d)
+    print(table([r for r in rows if r["kernel"] == "prefill"], ["config (BM,BN,warps,stages)", "size", "ms", "TF/s"]))
+    print(table([r for r in rows if r["kernel"] == "decode"], ["config (BN,warps,stages)", "size", "ms", "TB/s"]))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", choices=["prefill", "decode"])
+    ap.add_argument("--sweep", action="store_true")
     args = ap.parse_args()
     dev = require_cuda("gpu_kernels")
     import torch
     torch.manual_seed(0)
+    if args.sweep:
+        sweep(dev)
+        return 0
     rows_p, rows_d = [], []
+    lengths = [1024, 8192] if args.quick else [1024, 2048, 4096, 8192, 16384, 32768]
+    batches = [1, 64] if args.quick else [1, 16, 64]
+    contexts = [4096] if args.quick else [1024, 4096, 8192, 16384, 32768]
+    if SMOKE:
+        lengths, batches, contexts = [48, 100], [1, 3], [40, 70]
     if args.only in (None, "prefill"):
-        bench_prefill(dev, [1024, 8192] if args.quick else [1024, 2048, 4096, 8192, 16384, 32768], rows_p)
+        bench_prefill(dev, lengths, rows_p)
     if args.only in (None, "decode"):
-        bench_decode(dev, [1, 64] if args.quick else [1, 16, 64],
-                     [4096] if args.quick else [1024, 4096, 8192, 16384, 32768], rows_d)
+        bench_decode(dev, batches, contexts, rows_d)
     if rows_p:
         print("\nprefill attention, causal, 32/8 heads, d=128, bf16 (TFLOP/s)")
         print(table(rows_p, ["tokens", "ours ms", "ours TF/s", "prefix½ TF/s", "sdpa-flash TF/s",

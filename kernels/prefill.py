@@ -9,7 +9,8 @@ prefix-cache hits: query ``i`` of a chunk of ``q_len`` tokens in a sequence of `
 * **Grid without a host sync.** Programs are laid out as ``(ceil(T / BLOCK_M) + B, Hq)``: sequence
   ``b``'s query tiles start at program ``cu_seqlens[b] // BLOCK_M + b``, an upper bound that never
   overlaps the next sequence's. Each program finds its sequence by binary search over
-  ``cu_seqlens`` (as vLLM's unified Triton attention does); surplus programs exit at once.
+  ``cu_seqlens`` (as vLLM's unified Triton attention does); surplus programs exit at once. Within a
+  sequence the tiles run last-first: the long ones (near the end of the causal triangle) start early.
 * **Online softmax** in base 2 with the scale folded into one multiply; the row max and sum stay in
   float32 registers, the output tile is normalised once at the end.
 * **Two loops per tile**: the KV tiles wholly below the diagonal run without a mask; only the tiles
@@ -91,8 +92,11 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, lens_ptr, out_ptr, num_
     b = lo
     q_start = tl.load(cu_ptr + b)
     q_len = tl.load(cu_ptr + b + 1) - q_start
-    m0 = (pid - (q_start // BLOCK_M + b)) * BLOCK_M
-    if m0 < q_len:
+    local = pid - (q_start // BLOCK_M + b)
+    num_tiles = (q_len + BLOCK_M - 1) // BLOCK_M
+    # the last (longest, causal) tiles of a sequence go first, so short ones fill the tail of the grid
+    m0 = (num_tiles - 1 - local) * BLOCK_M
+    if local < num_tiles:
         seq_len = tl.load(lens_ptr + b)
         prefix = seq_len - q_len
         rows = m0 + tl.arange(0, BLOCK_M)
