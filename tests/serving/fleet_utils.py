@@ -1,0 +1,122 @@
+"""Helpers for end-to-end tests: a real local fleet from an InferencePool manifest, HTTP calls, and
+Prometheus scraping."""
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import requests
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from tandem.operator.local import LocalFleet, free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = "smollm2-135m-instruct"
+
+
+class LogBuffer(io.StringIO):
+    """Collects the fleet's prefixed process output (printed when a test fails)."""
+
+
+def start_fleet(overrides: dict | None = None, name: str = "e2e") -> LocalFleet:
+    manifest = yaml.safe_load((ROOT / "examples" / "smollm2.yaml").read_text())
+    manifest["metadata"]["name"] = name
+    for path, value in (overrides or {}).items():
+        node = manifest
+        *parents, leaf = path.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    f = Path(tempfile.mkdtemp()) / "pool.yaml"
+    f.write_text(yaml.safe_dump(manifest))
+    fleet = LocalFleet(str(f), router_port=0, log_stream=sys.stderr)
+    try:
+        fleet.start(timeout=300)
+    except Exception:
+        fleet.stop(grace=5)
+        raise
+    return fleet
+
+
+def start_worker(role: str = "both", name: str = "e2e-both") -> tuple[subprocess.Popen, str]:
+    """One ``tandem serve`` process from the example manifest's worker config."""
+    from tandem.operator.spec import load_manifest, worker_config
+    pool = load_manifest(ROOT / "examples" / "smollm2.yaml")
+    cfg = Path(tempfile.mkdtemp()) / "worker.yaml"
+    cfg.write_text(worker_config(pool, role).to_yaml())
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "tandem.worker.cli", "serve", "--role", role, "--config",
+                             str(cfg), "--port", str(port), "--kv-port", "0"], start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    t_end = time.monotonic() + 300
+    while time.monotonic() < t_end:
+        assert proc.poll() is None, f"{name} exited with {proc.returncode}"
+        try:
+            if requests.get(url + "/ready", timeout=2).status_code == 200:
+                return proc, url
+        except requests.ConnectionError:
+            pass
+        time.sleep(0.3)
+    proc.kill()
+    raise RuntimeError(f"{name} not ready")
+
+
+def chat(url: str, question: str, stream: bool = False, max_tokens: int = 32, timeout: float = 300,
+         system: str | None = None, **extra):
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": question}]
+    body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+            "stream": stream, **extra}
+    r = requests.post(url + "/v1/chat/completions", json=body, timeout=timeout, stream=stream)
+    if not stream:
+        r.raise_for_status()
+        return r.json()["choices"][0]["message"]["content"], r.json()
+    r.raise_for_status()
+    return read_stream(r)
+
+
+def read_stream(r) -> tuple[str, list[dict]]:
+    """The concatenated text and the parsed chunks of an SSE response; asserts it ended with [DONE]."""
+    text, chunks, done = "", [], False
+    for line in r.iter_lines():
+        if not line:
+            continue
+        assert line.startswith(b"data: "), line
+        if line == b"data: [DONE]":
+            done = True
+            break
+        c = json.loads(line[6:])
+        assert "error" not in c, c
+        chunks.append(c)
+        for ch in c["choices"]:
+            text += ch.get("text") or (ch.get("delta") or {}).get("content") or ""
+    assert done, "stream ended without [DONE]"
+    assert chunks[-1]["choices"] and chunks[-1]["choices"][0]["finish_reason"] is not None or \
+        chunks[-2]["choices"][0]["finish_reason"] is not None
+    return text, chunks
+
+
+def metric(url: str, name: str, **labels) -> float:
+    """Sum of the samples named ``name`` whose labels include ``labels``."""
+    text = requests.get(url + "/metrics", timeout=10).text
+    total = 0.0
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                total += s.value
+    return total
+
+
+def wait_for(cond, timeout: float = 30.0, interval: float = 0.2):
+    t_end = time.monotonic() + timeout
+    while time.monotonic() < t_end:
+        v = cond()
+        if v:
+            return v
+        time.sleep(interval)
+    return cond()

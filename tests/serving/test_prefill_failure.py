@@ -1,0 +1,46 @@
+"""Kill the prefill worker process mid-load: every request still completes, with an unbroken stream,
+through the decode worker's local prefill fallback; no KV block leaks."""
+import concurrent.futures as cf
+import time
+
+import pytest
+import requests
+
+from fleet_utils import MODEL, metric, read_stream, start_fleet, wait_for
+
+pytestmark = pytest.mark.timeout(900)
+
+
+def stream_chat(url, i):
+    body = {"model": MODEL, "stream": True, "max_tokens": 24, "temperature": 0, "ignore_eos": True,
+            "messages": [{"role": "user", "content": f"Request {i}. " + "Tell me about the history of Paris. " * 25}]}
+    r = requests.post(url + "/v1/chat/completions", json=body, stream=True, timeout=600)
+    r.raise_for_status()
+    return read_stream(r)
+
+
+def test_prefill_worker_killed_mid_load():
+    fleet = start_fleet(name="e2e-kill")
+    try:
+        prefill = next(p for p in fleet.procs if p.role == "prefill")
+        decode = next(p for p in fleet.procs if p.role == "decode").url
+        with cf.ThreadPoolExecutor(8) as ex:
+            futs = [ex.submit(stream_chat, fleet.endpoint, i) for i in range(8)]
+            # kill once transfers are under way
+            assert wait_for(lambda: metric(decode, "tandem:kv_transfer_bytes_total", direction="received") > 0
+                            or any(f.done() for f in futs), 120, 0.05)
+            prefill.popen.kill()
+            prefill.popen.wait()
+            results = [f.result() for f in futs]      # raises if any stream broke
+            # and requests after the death still work (the router routes around the dead worker)
+            more = [ex.submit(stream_chat, fleet.endpoint, 100 + i) for i in range(3)]
+            results += [f.result() for f in more]
+        assert len(results) == 11
+        for text, chunks in results:
+            assert text and chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert metric(decode, "tandem:local_prefill_fallbacks_total") > 0
+        assert wait_for(lambda: metric(decode, "tandem:kv_cache_usage_perc") == 0.0, 30)
+        routed_local = metric(fleet.endpoint, "tandem:router_routing_decisions_total", decision="no_prefill_worker")
+        assert routed_local >= 1
+    finally:
+        fleet.stop(grace=10)
