@@ -25,6 +25,7 @@ import math
 import torch
 
 from ._triton import dot_precision, interpreting, next_pow2, sm_count, tl, triton
+from .paged import load_kv_tile, online_softmax_step
 
 # Tile sizes, by environment. Benchmarks may overwrite these (see bench/gpu_kernels.py).
 DECODE_CONFIG = {
@@ -63,21 +64,9 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, mid_o_p
     for n0 in range(start, end, BLOCK_N):
         tok = n0 + tl.arange(0, BLOCK_N)
         tmask = tok < end
-        page = tl.load(bt_row + tok // block_size, mask=tmask, other=0).to(tl.int64)
-        slot = tok % block_size
-        kmask = tmask[:, None] & dmask[None, :]
-        k = tl.load(k_ptr + page[:, None] * stride_k0 + slot[:, None] * stride_k1 + kvh * stride_k2
-                    + d[None, :], mask=kmask, other=0.0)
-        v = tl.load(v_ptr + page[:, None] * stride_v0 + slot[:, None] * stride_v1 + kvh * stride_v2
-                    + d[None, :], mask=kmask, other=0.0)
-        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PREC) * qk_scale
-        s = tl.where(tmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PREC)
-        m_i = m_new
+        k, v = load_kv_tile(k_ptr, v_ptr, bt_row, tok, tmask, kvh, block_size, stride_k0, stride_k1,
+                            stride_k2, stride_v0, stride_v1, stride_v2, d, dmask)
+        acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, q, k, v, tmask[None, :], qk_scale, True, PREC)
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     omask = gmask[:, None] & dmask[None, :]

@@ -29,6 +29,7 @@ import math
 import torch
 
 from ._triton import dot_precision, interpreting, next_pow2, tl, triton
+from .paged import load_kv_tile, online_softmax_step
 
 # Tile configurations by head dim and environment; benchmarks may overwrite entries.
 PREFILL_CONFIG = {
@@ -53,22 +54,10 @@ def _attend_tile(acc, m_i, l_i, q, k_ptr, v_ptr, bt_row, n0, kvh, q_pos, seq_len
                  d, dmask, MASKED: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr):
     tok = n0 + tl.arange(0, BLOCK_N)
     tmask = tok < seq_len
-    page = tl.load(bt_row + tok // block_size, mask=tmask, other=0).to(tl.int64)
-    slot = tok % block_size
-    kmask = tmask[:, None] & dmask[None, :]
-    k = tl.load(k_ptr + page[:, None] * stride_k0 + slot[:, None] * stride_k1 + kvh * stride_k2
-                + d[None, :], mask=kmask, other=0.0)
-    v = tl.load(v_ptr + page[:, None] * stride_v0 + slot[:, None] * stride_v1 + kvh * stride_v2
-                + d[None, :], mask=kmask, other=0.0)
-    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PREC) * qk_scale
-    if MASKED:
-        s = tl.where((tok[None, :] <= q_pos[:, None]) & tmask[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PREC)
-    return acc, m_new, l_i
+    k, v = load_kv_tile(k_ptr, v_ptr, bt_row, tok, tmask, kvh, block_size, stride_k0, stride_k1,
+                        stride_k2, stride_v0, stride_v1, stride_v2, d, dmask)
+    keep = (tok[None, :] <= q_pos[:, None]) & tmask[None, :]
+    return online_softmax_step(acc, m_i, l_i, q, k, v, keep, qk_scale, MASKED, PREC)
 
 
 @triton.jit
