@@ -33,7 +33,8 @@ class ModelRunner:
         self.block_size = config.block_size
         self.ops = select_ops(config.attention_backend, self.device)
         c = loaded.config
-        self.model = LlamaModel(c, loaded.weights, self.ops, self.dtype, self.device, max_model_len)
+        self.model = LlamaModel(c, loaded.weights, self.ops, self.dtype, self.device, max_model_len,
+                                config.quantization)
         self.num_blocks = self._num_blocks(loaded)
         self.kv_cache = torch.zeros(c.num_layers, 2, self.num_blocks, config.block_size,
                                     c.num_kv_heads, c.head_dim, dtype=self.dtype, device=self.device)

@@ -3,6 +3,10 @@
 Architecture as in Touvron et al., "LLaMA" (2023) and Hugging Face's ``modeling_llama``; Qwen2 adds
 a bias to the Q/K/V projections. Q/K/V and gate/up are fused into single matmuls, and every op goes
 through :class:`tandem.kernels.ops.Ops`, so one model serves the torch, Triton and flash-attn paths.
+
+With ``quantization="fp8"`` the four projections of every layer (qkv, o, gate_up, down) hold e4m3
+weights with per-output-channel scales and run through ``ops.fp8_linear`` (activations quantized
+per token; see :mod:`tandem.kernels.fp8`); embeddings, norms and the LM head stay in ``dtype``.
 """
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tandem.kernels.fp8 import quantize_weight_fp8
 from tandem.kernels.ops import Ops
 from tandem.kernels.rope import build_cos_sin_cache
 from tandem.worker.engine.loader import ModelConfig
@@ -41,9 +46,14 @@ class AttentionMetadata:
 class LlamaModel:
     """Weights plus the forward pass; no autograd, no nn.Module bookkeeping on the hot path."""
 
+    LINEARS = ("qkv", "o", "gate_up", "down")
+
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], ops: Ops,
-                 dtype: torch.dtype, device: str, max_position: int):
+                 dtype: torch.dtype, device: str, max_position: int, quantization: str = "none"):
+        if quantization not in ("none", "fp8"):
+            raise ValueError(f"quantization must be none or fp8, got {quantization!r}")
         self.config, self.ops, self.dtype, self.device = config, ops, dtype, device
+        self.fp8 = quantization == "fp8"
         c = config
 
         def w(name):
@@ -68,11 +78,21 @@ class LlamaModel:
                 "gate_up": gate_up.to(device=device, dtype=dtype).contiguous(),
                 "down": w(p + "mlp.down_proj.weight"),
             })
+            if self.fp8:  # replace each projection by (e4m3 weight [N, K], per-channel scale [N])
+                L = self.layers[-1]
+                for name in self.LINEARS:
+                    L[name] = quantize_weight_fp8(L[name])
         self.cos_sin = build_cos_sin_cache(c.head_dim, max_position, c.rope_theta, c.rope_scaling,
                                            dtype=torch.float32, device=device)
         self.scale = c.head_dim ** -0.5
         self.q_size = c.num_heads * c.head_dim
         self.kv_size = c.num_kv_heads * c.head_dim
+
+    def _linear(self, x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ w.T (+ bias)``; ``w`` is a tensor, or ``(w_fp8, w_scale)`` under FP8 quantization."""
+        if self.fp8:
+            return self.ops.fp8_linear(x, w[0], w[1], bias)
+        return F.linear(x, w, bias)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -98,7 +118,7 @@ class LlamaModel:
                 x = ops.rms_norm(h, L["in_norm"], c.rms_norm_eps)
             else:
                 x, residual = ops.rms_norm(h, L["in_norm"], c.rms_norm_eps, residual)
-            qkv = F.linear(x, L["qkv"], L["qkv_bias"])
+            qkv = self._linear(x, L["qkv"], L["qkv_bias"])
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.reshape(-1, c.num_heads, c.head_dim)
             k = k.reshape(-1, c.num_kv_heads, c.head_dim)
@@ -117,9 +137,9 @@ class LlamaModel:
                                          meta.decode_seq_lens, self.scale),
                     ops.prefill_attention(q[nd:], k_cache, v_cache, meta.prefill_block_tables,
                                           meta.prefill_cu_seqlens_q, meta.prefill_seq_lens, self.scale)])
-            h = F.linear(attn.reshape(-1, self.q_size), L["o"])
+            h = self._linear(attn.reshape(-1, self.q_size), L["o"])
             x, residual = ops.rms_norm(h, L["post_norm"], c.rms_norm_eps, residual)
-            h = F.linear(ops.silu_and_mul(F.linear(x, L["gate_up"])), L["down"])
+            h = self._linear(ops.silu_and_mul(self._linear(x, L["gate_up"])), L["down"])
         if logits_indices is not None:
             h, residual = h[logits_indices], residual[logits_indices]
         x, _ = ops.rms_norm(h, self.norm, c.rms_norm_eps, residual)
