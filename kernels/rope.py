@@ -161,22 +161,24 @@ def _rope_and_cache_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, kc_ptr, vc_ptr,
         mask = (h < HK) & (d < HALF)
         v1 = tl.load(v_ptr + tok * stride_vt + h * stride_vh + d, mask=mask, other=0.0)
         v2 = tl.load(v_ptr + tok * stride_vt + h * stride_vh + HALF + d, mask=mask, other=0.0)
+        # new names for the cached values: a runtime ``if`` may not change an outer variable's type
+        ck1, ck2, cv1, cv2 = k1, k2, v1, v2
         if SCALED:
-            k1 = k1.to(tl.float32) / kv_scale
-            k2 = k2.to(tl.float32) / kv_scale
-            v1 = v1.to(tl.float32) / kv_scale
-            v2 = v2.to(tl.float32) / kv_scale
+            ck1 = ck1.to(tl.float32) / kv_scale
+            ck2 = ck2.to(tl.float32) / kv_scale
+            cv1 = cv1.to(tl.float32) / kv_scale
+            cv2 = cv2.to(tl.float32) / kv_scale
         if FP8:
-            k1 = to_fp8_e4m3(k1, INTERP)
-            k2 = to_fp8_e4m3(k2, INTERP)
-            v1 = to_fp8_e4m3(v1, INTERP)
-            v2 = to_fp8_e4m3(v2, INTERP)
+            ck1 = to_fp8_e4m3(ck1, INTERP)
+            ck2 = to_fp8_e4m3(ck2, INTERP)
+            cv1 = to_fp8_e4m3(cv1, INTERP)
+            cv2 = to_fp8_e4m3(cv2, INTERP)
         kdst = kc_ptr + blk * stride_kc0 + off * stride_kc1 + h * stride_kc2 + d
         vdst = vc_ptr + blk * stride_vc0 + off * stride_vc1 + h * stride_vc2 + d
-        tl.store(kdst, k1.to(kc_ptr.dtype.element_ty), mask=mask)
-        tl.store(kdst + HALF, k2.to(kc_ptr.dtype.element_ty), mask=mask)
-        tl.store(vdst, v1.to(vc_ptr.dtype.element_ty), mask=mask)
-        tl.store(vdst + HALF, v2.to(vc_ptr.dtype.element_ty), mask=mask)
+        tl.store(kdst, ck1.to(kc_ptr.dtype.element_ty), mask=mask)
+        tl.store(kdst + HALF, ck2.to(kc_ptr.dtype.element_ty), mask=mask)
+        tl.store(vdst, cv1.to(vc_ptr.dtype.element_ty), mask=mask)
+        tl.store(vdst + HALF, cv2.to(vc_ptr.dtype.element_ty), mask=mask)
 
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
