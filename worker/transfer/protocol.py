@@ -40,9 +40,18 @@ class TransferError(RuntimeError):
 
 
 def encode_frame(ftype: FrameType, meta: dict, payload: bytes | memoryview = b"") -> list:
-    """The frame as buffers for ``writer.writelines`` (the payload is not copied)."""
+    """The frame as buffers: header, JSON, payload (not copied)."""
     body = json.dumps(meta, separators=(",", ":")).encode()
     return [HEADER.pack(MAGIC, int(ftype), len(body), len(payload)), body, payload]
+
+
+def write_frame(writer, ftype: FrameType, meta: dict, payload: bytes | memoryview = b"") -> None:
+    """Write one frame to a StreamWriter or transport. The payload goes in its own ``write`` call:
+    ``writelines`` would join it into a fresh multi-MB bytes object first (a copy into new pages)."""
+    header, body, payload = encode_frame(ftype, meta, payload)
+    writer.write(header + body)
+    if payload:
+        writer.write(payload)
 
 
 async def read_frame(reader: asyncio.StreamReader) -> tuple[FrameType, dict, bytes]:
@@ -79,3 +88,78 @@ def payload_to_tensor(meta: dict, payload: bytes) -> torch.Tensor:
         return flat.view(dtype).reshape(meta["shape"])
     except RuntimeError as e:
         raise TransferError(f"KV payload does not match its shape {meta.get('shape')}: {e}") from None
+
+
+class FrameReceiver(asyncio.BufferedProtocol):
+    """Receives frames with the socket reading straight into reusable buffers (no StreamReader copies).
+
+    The payload buffer is reused: a frame's payload is valid until :meth:`next_frame` is called again,
+    and reading pauses until then, which is the back-pressure (TCP flow control throttles the sender).
+    """
+
+    def __init__(self):
+        self.transport: asyncio.Transport | None = None
+        self._header = bytearray(HEADER.size)
+        self._json = bytearray()
+        self._payload = bytearray()
+        self._ftype, self._plen = 0, 0
+        self._frames: asyncio.Queue = asyncio.Queue()
+        self._closed: BaseException | None = None
+        self._enter(0)
+
+    def _enter(self, stage: int) -> None:
+        """Start receiving the header (0), the JSON (1) or the payload (2) of a frame."""
+        self._stage, self._pos = stage, 0
+        self._view = memoryview((self._header, self._json, self._payload)[stage])
+        if stage == 2:
+            self._view = self._view[:self._plen]
+
+    # ---- protocol callbacks ---------------------------------------------------------------------
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def connection_lost(self, exc) -> None:
+        self._closed = exc or ConnectionResetError("connection closed by peer")
+        self._frames.put_nowait(self._closed)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self._view[self._pos:]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self._pos += nbytes
+        while self._pos == len(self._view):   # zero-length parts complete at once
+            if self._stage == 0:
+                magic, self._ftype, jlen, self._plen = HEADER.unpack(self._header)
+                if magic != MAGIC or jlen > MAX_JSON:
+                    self._frames.put_nowait(TransferError(f"bad frame header {magic!r}"))
+                    self.transport.close()
+                    return
+                self._json = bytearray(jlen)
+                if len(self._payload) < self._plen:
+                    self._payload = bytearray(self._plen)
+                self._enter(1)
+            elif self._stage == 1:
+                self._enter(2)
+            else:
+                self._deliver()
+                return
+
+    def _deliver(self) -> None:
+        try:
+            frame = (FrameType(self._ftype), json.loads(self._json) if self._json else {},
+                     memoryview(self._payload)[:self._plen])
+        except ValueError as e:
+            frame = TransferError(f"bad frame: {e}")
+        self._frames.put_nowait(frame)
+        self._enter(0)
+        self.transport.pause_reading()   # until the consumer asks for the next frame
+
+    # ---- consumer -------------------------------------------------------------------------------
+    async def next_frame(self) -> tuple[FrameType, dict, memoryview]:
+        """The next frame; raises TransferError for a malformed one, ConnectionError when the peer left."""
+        if self._frames.empty() and self._closed is None and self.transport is not None:
+            self.transport.resume_reading()
+        item = await self._frames.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item

@@ -21,10 +21,11 @@ from typing import Awaitable, Callable
 from tandem.worker.engine.async_engine import AsyncEngine
 from tandem.worker.engine.llm_engine import RequestOutput
 from tandem.worker.engine.sequence import InvalidRequestError
-from tandem.worker.transfer.protocol import (FrameType, TransferError, encode_frame, payload_to_tensor,
-                                             read_frame, tensor_to_payload)
+from tandem.worker.transfer.protocol import (FrameReceiver, FrameType, TransferError, payload_to_tensor,
+                                             read_frame, tensor_to_payload, write_frame)
 
 log = logging.getLogger(__name__)
+
 
 
 class KVTransferServer:
@@ -64,11 +65,11 @@ class KVTransferServer:
                 raise TransferError(f"expected HELLO, got {ftype.name}")
             if meta.get("layout") != self.layout:
                 msg = f"KV layout mismatch: prefill worker has {self.layout}, decode worker sent {meta.get('layout')}"
-                writer.writelines(encode_frame(FrameType.REJECT, {"message": msg}))
+                write_frame(writer, FrameType.REJECT, {"message": msg})
                 await writer.drain()
                 return
             if not self.accepting:
-                writer.writelines(encode_frame(FrameType.REJECT, {"message": "prefill worker is draining"}))
+                write_frame(writer, FrameType.REJECT, {"message": "prefill worker is draining"})
                 await writer.drain()
                 return
             rid = self.aengine.new_request_id("prefill")
@@ -83,24 +84,23 @@ class KVTransferServer:
                                         kv_sink=kv_sink, stop_after_first_token=True)
             except InvalidRequestError as e:
                 self.aengine.close(rid)
-                writer.writelines(encode_frame(FrameType.REJECT, {"message": str(e)}))
+                write_frame(writer, FrameType.REJECT, {"message": str(e)})
                 await writer.drain()
                 return
-            writer.writelines(encode_frame(FrameType.ACCEPT, {"request_id": rid}))
+            write_frame(writer, FrameType.ACCEPT, {"request_id": rid})
             async for item in self.aengine.stream(rid, q):
                 if isinstance(item, RequestOutput):
                     lp = item.logprobs[0] if item.logprobs else None
-                    writer.writelines(encode_frame(FrameType.DONE, {
+                    write_frame(writer, FrameType.DONE, {
                         "token_id": item.new_token_ids[0],
                         "logprob": lp.logprob if lp else None,
                         "top_logprobs": lp.top_logprobs if lp else None,
-                        "num_cached_tokens": item.num_cached_tokens}))
+                        "num_cached_tokens": item.num_cached_tokens})
                     await writer.drain()
                 else:
                     first_block, data = item
                     tmeta, payload = tensor_to_payload(data)
-                    writer.writelines(encode_frame(FrameType.BLOCKS, {"first_block": first_block, **tmeta},
-                                                   payload))
+                    write_frame(writer, FrameType.BLOCKS, {"first_block": first_block, **tmeta}, payload)
                     sent += len(payload)
                     await writer.drain()
             if self.on_sent:
@@ -134,20 +134,22 @@ async def pull_kv(host: str, port: int, hello: dict,
     """
     t_end = time.monotonic() + deadline
     received = 0
+    loop = asyncio.get_running_loop()
     try:
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), connect_timeout)
+        transport, proto = await asyncio.wait_for(loop.create_connection(FrameReceiver, host, port),
+                                                  connect_timeout)
     except (OSError, asyncio.TimeoutError) as e:
         raise TransferError(f"cannot connect to prefill worker {host}:{port}: {e!r}") from None
     try:
-        writer.writelines(encode_frame(FrameType.HELLO, hello))
-        await writer.drain()
+        write_frame(transport, FrameType.HELLO, hello)
         while True:
             left = t_end - time.monotonic()
             if left <= 0:
                 raise TransferError(f"KV transfer from {host}:{port} passed its {deadline:.0f} s deadline")
-            ftype, meta, payload = await asyncio.wait_for(read_frame(reader), min(frame_timeout, left))
+            ftype, meta, payload = await asyncio.wait_for(proto.next_frame(), min(frame_timeout, left))
             if ftype == FrameType.BLOCKS:
                 received += len(payload)
+                # the payload buffer is reused for the next frame: on_blocks copies it into the cache
                 await on_blocks(meta["first_block"], payload_to_tensor(meta, payload))
             elif ftype == FrameType.DONE:
                 return meta, received
@@ -155,7 +157,7 @@ async def pull_kv(host: str, port: int, hello: dict,
                 raise TransferError(f"prefill worker {host}:{port} refused: {meta.get('message')}")
             elif ftype != FrameType.ACCEPT:
                 raise TransferError(f"unexpected {ftype.name} frame")
-    except (OSError, asyncio.IncompleteReadError, asyncio.TimeoutError) as e:
+    except (OSError, asyncio.TimeoutError) as e:
         raise TransferError(f"KV transfer from {host}:{port} broke: {e!r}") from None
     finally:
-        writer.close()
+        transport.close()
