@@ -49,6 +49,8 @@ class RequestOutput:
     num_output_tokens: int
     num_cached_tokens: int
     logprobs: list[SampleResult] = field(default_factory=list)
+    queue_time: float | None = None     # seconds from arrival to first scheduling
+    prefill_time: float | None = None   # seconds from first scheduling to the first token
 
 
 @dataclass
@@ -298,9 +300,13 @@ class LLMEngine:
         self.emitted[rid] = upto
         if reason:
             self._finish(seq, reason)
-        return RequestOutput(rid, [res.token_id], delta, text, reason is not None, reason,
-                             len(seq.prompt_token_ids), len(seq.output_token_ids), seq.num_cached_tokens,
-                             [res] if p.logprobs is not None else [])
+        out = RequestOutput(rid, [res.token_id], delta, text, reason is not None, reason,
+                            len(seq.prompt_token_ids), len(seq.output_token_ids), seq.num_cached_tokens,
+                            [res] if p.logprobs is not None else [])
+        if len(seq.output_token_ids) == 1 and seq.first_scheduled_time is not None:
+            out.queue_time = seq.first_scheduled_time - seq.arrival_time
+            out.prefill_time = seq.first_token_time - seq.first_scheduled_time
+        return out
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason

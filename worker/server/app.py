@@ -195,7 +195,7 @@ class WorkerServer:
         async for out in gen:
             text += out.new_text
             samples += out.logprobs
-        self._finished(out, t0, ttft, [])
+        self._finished(out, t0, ttft, [], first)
         resp = web.json_response(builder.full(out.text, out.finish_reason, out.num_output_tokens, samples))
         resp.headers[TTFT_HEADER] = f"{ttft:.6f}"
         return resp
@@ -227,12 +227,15 @@ class WorkerServer:
             await resp.write(b"data: " + json.dumps(error_body(str(e), 500, None, "server_error")).encode()
                              + b"\n\n")
             return resp
-        self._finished(out, t0, ttft, itls)
+        self._finished(out, t0, ttft, itls, first)
         await resp.write_eof()
         return resp
 
-    def _finished(self, out, t0, ttft, itls) -> None:
+    def _finished(self, out, t0, ttft, itls, first) -> None:
         self.metrics.observe_request(ttft, time.monotonic() - t0, out.num_output_tokens, itls)
+        if first.queue_time is not None:
+            self.metrics.queue_time.observe(first.queue_time)
+            self.metrics.prefill_time.observe(first.prefill_time)
         self.metrics.requests.labels(**self.metrics.labels, finished_reason=out.finish_reason).inc()
 
 
