@@ -52,11 +52,12 @@ def variants(arch: int):
                 {**attn_types, "k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv"},
                 dict(GROUP=4, D=128, D_PAD=128, BLOCK_M=bm, BLOCK_N=bn, PREC="tf32"),
                 dict(num_warps=warps, num_stages=stages)))
-    bm, bn, warps, stages = prefill.PREFILL_CONFIG["gpu32"][128]
-    out.append(("prefill d128 fp32", prefill._prefill_kernel,
-                {**attn_types, "q_ptr": "*fp32", "k_ptr": "*fp32", "v_ptr": "*fp32", "out_ptr": "*fp32"},
-                dict(GROUP=4, D=128, D_PAD=128, BLOCK_M=bm, BLOCK_N=bn, PREC="ieee"),
-                dict(num_warps=warps, num_stages=stages)))
+    f32 = {**attn_types, "q_ptr": "*fp32", "k_ptr": "*fp32", "v_ptr": "*fp32", "out_ptr": "*fp32"}
+    for d in (64, 128):
+        bm, bn, warps, stages = prefill.PREFILL_CONFIG["gpu32"][d]
+        out.append((f"prefill d{d} fp32 (tf32x3)", prefill._prefill_kernel, f32,
+                    dict(GROUP=4, D=d, D_PAD=d, BLOCK_M=bm, BLOCK_N=bn, PREC="tf32x3"),
+                    dict(num_warps=warps, num_stages=stages)))
     dc = decode.DECODE_CONFIG["gpu"]
     for direct in (False, True):
         out.append((f"decode split d128 direct={direct}", decode._decode_split_kernel, attn_types,
@@ -68,6 +69,9 @@ def variants(arch: int):
     out.append(("decode split fp8 kv", decode._decode_split_kernel,
                 {**attn_types, "k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv"},
                 dict(GROUP=4, G_PAD=16, D=128, D_PAD=128, BLOCK_N=dc["BLOCK_N"], DIRECT=False, PREC="tf32"),
+                dict(num_warps=dc["num_warps"], num_stages=dc["num_stages"])))
+    out.append(("decode split d128 fp32 (tf32x3)", decode._decode_split_kernel, f32,
+                dict(GROUP=4, G_PAD=16, D=128, D_PAD=128, BLOCK_N=dc["BLOCK_N"], DIRECT=False, PREC="tf32x3"),
                 dict(num_warps=dc["num_warps"], num_stages=dc["num_stages"])))
     out.append(("decode reduce", decode._decode_reduce_kernel, {"mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32", "out_scale": "fp32"},
                 dict(D=128, D_PAD=128, S_PAD=64), dict(num_warps=4)))
@@ -82,6 +86,17 @@ def variants(arch: int):
                 dict(HAS_BIAS=False, FP8_DOT=arch >= 89, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=8),
                 dict(num_warps=4, num_stages=4)))
     return out
+
+
+# Integer arguments the JIT would see as multiples of 16 at the engine's shapes (it specializes on
+# that, which enables 16-byte vector loads); pointers from torch allocations are 16-byte aligned too.
+DIV16 = {"block_size", "H", "I", "K", "N"}
+
+
+def divisibility(kernel, sig: dict) -> dict:
+    return {(i,): [["tt.divisibility", 16]] for i, p in enumerate(kernel.params)
+            if sig[p.name].startswith("*") or p.name in DIV16
+            or (p.name.startswith("stride_") and p.name != "stride_bt")}
 
 
 def signature(kernel, types: dict, constexprs: dict) -> dict:
@@ -119,7 +134,8 @@ def main() -> int:
             continue
         t0 = time.perf_counter()
         try:
-            src = ASTSource(fn=kernel, signature=signature(kernel, types, constexprs), constexprs=constexprs)
+            sig = signature(kernel, types, constexprs)
+            src = ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=divisibility(kernel, sig))
             compiled = triton.compile(src, target=target, options=opts)
         except Exception as e:
             failed += 1

@@ -62,9 +62,14 @@ def next_pow2(n: int) -> int:
 
 
 def dot_precision(dtype) -> str:
-    """``tl.dot`` precision for a float dtype: exact IEEE for fp32 (tf32 misses the 1e-4 tolerance)."""
+    """``tl.dot`` precision for a float dtype. fp32 must stay within 1e-4 of float64, which tf32
+    (Triton's default, ~3e-4) misses: compiled kernels use ``tf32x3`` (three tf32 tensor-core products,
+    about fp32 accuracy; an IEEE fp32 dot runs on FMA units and spills kilobytes of registers at
+    attention tile sizes), the interpreter computes in IEEE fp32 anyway."""
     import torch
-    return "ieee" if dtype == torch.float32 else "tf32"
+    if dtype != torch.float32:
+        return "tf32"  # ignored for 16-bit operands
+    return "ieee" if interpreting() else "tf32x3"
 
 
 _SM_COUNT: dict = {}
