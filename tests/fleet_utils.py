@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tandem.operator.local import LocalFleet, free_port
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 MODEL = "smollm2-135m-instruct"
 
 
