@@ -169,8 +169,11 @@ def bench_decode_compiled(hf, rows, device):
     for row in rows:
         if row.get("what") != "decode step":
             continue
-        row["hf static+compile ms"] = hf_static_compiled_step(hf, row["_prompts"], device) * 1e3
-        row["ours/hf-compiled"] = row["ours ms"] / row["hf static+compile ms"]
+        try:
+            row["hf static+compile ms"] = hf_static_compiled_step(hf, row["_prompts"], device) * 1e3
+            row["ours/hf-compiled"] = row["ours ms"] / row["hf static+compile ms"]
+        except Exception as e:  # a transformers/torch version whose StaticCache or compile differs
+            row["hf static+compile ms"] = f"n/a ({type(e).__name__}: {str(e)[:120]})"
         _emit({k: v for k, v in row.items() if k != "_prompts"})
 
 

@@ -152,7 +152,7 @@ def fp8_linear_triton(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tenso
         if w_fp8.stride(-1) != 1:
             w_fp8 = w_fp8.contiguous()
         if interpreting():
-            bm, bn, bk, warps, stages = 16, 16, 32, 1, 1
+            bm, bn, bk, warps, stages = 32, 64, 64, 1, 1  # few, larger programs: the interpreter pays per program
         else:
             bm = min(128, max(16, next_pow2(m)))
             bn, bk = (128, 128) if m > 64 else (64, 128)

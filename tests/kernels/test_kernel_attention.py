@@ -153,3 +153,29 @@ def test_prefill_matches_decode_on_last_token():
     a = attention.prefill_attention_triton(q, kc, vc, tables, cu, seq_lens, 0.125)
     b = attention.decode_attention_triton(q, kc, vc, tables, seq_lens, 0.125)
     assert_close(a, b.double(), 1e-5, "prefill vs decode")
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_configurations(poison, seed):
+    """Fully random draws: dtype, GQA ratio, head dim, block size, batch, prefixes, split count."""
+    rng = random.Random(1000 + seed)
+    torch.manual_seed(1000 + seed)
+    dtype = rng.choice([torch.float32, torch.float16])
+    group, hk = rng.choice([1, 2, 4, 8]), rng.choice([1, 2])
+    d, bs = rng.choice([64, 128]), rng.choice([4, 8, 16, 32])
+    batch = [(rng.choice([0, rng.randint(1, 6 * bs)]), rng.randint(1, 2 * bs + 3))
+             for _ in range(rng.randint(1, 4))]
+    lens = [p + n for p, n in batch]
+    kc, vc, tables = build_cache(lens, hk, d, bs, dtype)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    cu = torch.tensor([0] + [n for _, n in batch], dtype=torch.int32).cumsum(0).to(torch.int32)
+    q = torch.randn(int(cu[-1]), group * hk, d, dtype=dtype)
+    what = f"{dtype} g{group} hk{hk} d{d} bs{bs} {batch}"
+    out = attention.prefill_attention_triton(q, kc, vc, tables, cu, seq_lens, d ** -0.5)
+    ref = attention.prefill_attention_ref(q.double(), kc.double(), vc.double(), tables, cu, seq_lens, d ** -0.5)
+    assert_close(out, ref, TOL[dtype], "prefill " + what)
+    qd = torch.randn(len(lens), group * hk, d, dtype=dtype)
+    splits = rng.choice([None, 1, 2, 5])
+    out = attention.decode_attention_triton(qd, kc, vc, tables, seq_lens, d ** -0.5, num_splits=splits)
+    ref = attention.decode_attention_ref(qd.double(), kc.double(), vc.double(), tables, seq_lens, d ** -0.5)
+    assert_close(out, ref, TOL[dtype], f"decode splits={splits} " + what)

@@ -20,9 +20,12 @@ def test_quantize_per_token_bit_exact(poison, dtype, shape):
     assert_close(q.double() * s.double()[:, None], x.double(), FP8_TOL_UNQUANT, "dequantized")
 
 
+@pytest.mark.parametrize("fp8_dot", [False, True], ids=["upcast-dot", "fp8-dot"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("t,k,n,bias", [(1, 64, 48, False), (19, 200, 70, True), (40, 96, 33, True)])
-def test_fp8_linear(poison, dtype, t, k, n, bias):
+def test_fp8_linear(poison, monkeypatch, dtype, t, k, n, bias, fp8_dot):
+    # fp8-dot: the e4m3 x e4m3 tensor-core path GPUs from sm_89 take (the interpreter runs it too)
+    monkeypatch.setattr(fp8, "_fp8_dot_supported", lambda device: fp8_dot)
     x = torch.randn(t, k, dtype=dtype)
     w = torch.randn(n, k, dtype=dtype) * 0.1
     b = torch.randn(n, dtype=dtype) if bias else None
