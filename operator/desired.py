@@ -24,6 +24,8 @@ ANN_DESIRED_HASH = "serving.tandem.dev/desired-hash"
 CONFIG_DIR = "/etc/tandem"
 MODELS_MOUNT = "/mnt/models"
 RUN_AS_USER = 10001
+#: The prefill worker's KV-transfer port (TCP), next to its HTTP port.
+KV_PORT = S.WORKER_PORT + 1
 
 #: Seconds a worker may take to drain in-flight requests before SIGKILL (preStop + SIGTERM).
 WORKER_GRACE_SECONDS = 120
@@ -136,7 +138,6 @@ def service(pool: S.InferencePool, role: str) -> dict[str, Any]:
                                        "protocol": "TCP"}]}
     if role != "router":
         spec["clusterIP"] = "None"  # headless: the router reads the ready endpoints
-        spec["publishNotReadyAddresses"] = False
     else:
         spec["type"] = "ClusterIP"
     return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(pool, S.service_name(name, role), role),
@@ -151,6 +152,10 @@ def deployment(pool: S.InferencePool, role: str, replicas: int) -> dict[str, Any
     res = sp.router.resources if role == "router" else getattr(sp, role).resources
     cmd = ["tandem", "serve", "--role", role, "--config", f"{CONFIG_DIR}/{role}.yaml",
            "--host", "0.0.0.0", "--port", str(S.WORKER_PORT)]
+    ports = [{"name": "http", "containerPort": S.WORKER_PORT, "protocol": "TCP"}]
+    if role == "prefill":
+        cmd += ["--kv-port", str(KV_PORT)]
+        ports.append({"name": "kv", "containerPort": KV_PORT, "protocol": "TCP"})
     volumes: list[dict[str, Any]] = [
         {"name": "config", "configMap": {"name": config_map_name(name)}},
         {"name": "tmp", "emptyDir": {}},
@@ -174,7 +179,7 @@ def deployment(pool: S.InferencePool, role: str, replicas: int) -> dict[str, Any
             {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
             {"name": "HOME", "value": "/tmp"},
         ],
-        "ports": [{"name": "http", "containerPort": S.WORKER_PORT, "protocol": "TCP"}],
+        "ports": ports,
         "resources": _resources(res),
         "startupProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5,
                          "failureThreshold": 120, "timeoutSeconds": 2},
@@ -269,12 +274,17 @@ def desired_hash(obj: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(o, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
 
 
+def _is_zero(v: Any) -> bool:
+    return v is None or v is False or v == 0 or v == "" or v == [] or v == {}
+
+
 def is_subset(want: Any, have: Any) -> bool:
     """Whether everything in `want` is present and equal in `have` (the server adds defaults)."""
     if isinstance(want, dict):
         if not isinstance(have, dict):
             return False
-        return all(k in have and is_subset(v, have[k]) for k, v in want.items())
+        # A zero value the server omits (omitempty: false, 0, "", [], {}) matches an absent key.
+        return all((is_subset(v, have[k]) if k in have else _is_zero(v)) for k, v in want.items())
     if isinstance(want, list):
         if not isinstance(have, list) or len(want) != len(have):
             return False

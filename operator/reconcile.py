@@ -55,9 +55,9 @@ class Reconciler:
     # ---- discovery ------------------------------------------------------------------------------
     def capabilities(self) -> D.Capabilities:
         k = self.kube
-        gie = next((v for v in GIE_VERSIONS if k.has(v, "inferencepools", ttl=30)), None)
+        gie = next((v for v in GIE_VERSIONS if k.has(v, "inferencepools", ttl=10)), None)
         return D.Capabilities(pdb_api_version=k.pdb_api_version(),
-                              service_monitor=k.has("monitoring.coreos.com/v1", "servicemonitors", ttl=30),
+                              service_monitor=k.has("monitoring.coreos.com/v1", "servicemonitors", ttl=10),
                               gie_api_version=gie, pod_deletion_cost=False)
 
     # ---- events ---------------------------------------------------------------------------------

@@ -30,9 +30,11 @@ import datetime as dt
 import json
 import logging
 import os
+import re
 import shlex
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -156,10 +158,12 @@ class PodRunner:
         c = self.pod.spec.containers[0]
         self.mounts = self._volumes()
 
+        mps = sorted(self.mounts, key=len, reverse=True)
+        pat = re.compile(r"(^|=)(" + "|".join(re.escape(m) for m in mps) + r")(?=/|$)") if mps else None
+
         def rewrite(s: str) -> str:
-            for mp, d in sorted(self.mounts.items(), key=lambda kv: -len(kv[0])):
-                s = s.replace(mp, d)
-            return s
+            # One pass, at the start of a value or after "=", so a rewritten path is never rewritten again.
+            return pat.sub(lambda m: m.group(1) + self.mounts[m.group(2)], s) if pat else s
         env = {"PATH": ":".join([*self.agent.path_prepend, os.path.dirname(sys.executable),
                                  os.environ.get("PATH", "/usr/bin:/bin")]),
                "HOME": str(self.dir), "PYTHONUNBUFFERED": "1", "HOSTNAME": self.name}
@@ -312,10 +316,18 @@ class PodRunner:
 
 class Forwarder:
     """Forwards host_ip:PORT to the apiserver on 127.0.0.1, so pods (in their own network namespaces,
-    which can't reach the host's loopback) can use the API, as they would through a Service VIP."""
+    which can't reach the host's loopback) can use the API, as they would through a Service VIP.
 
-    def __init__(self, listen: tuple[str, int], target: tuple[str, int]):
+    Like a load balancer with health checks in front of a real control plane, it passes connections
+    only while the apiserver's /readyz answers 200 (checked at most once a second); otherwise it closes
+    them and the client retries. A restarting apiserver serves requests before its RBAC caches are
+    filled and answers them 403; /readyz keeps pods from seeing that window."""
+
+    def __init__(self, listen: tuple[str, int], target: tuple[str, int], readyz=None):
         self.target = target
+        self.readyz = readyz
+        self._ready_at = 0.0
+        self._ready = False
         self.sock = socket.socket()
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(listen)
@@ -328,6 +340,9 @@ class Forwarder:
                 c, _ = self.sock.accept()
             except OSError:
                 return
+            if not self._is_ready():
+                c.close()
+                continue
             try:
                 u = socket.create_connection(self.target, timeout=5)
                 u.settimeout(None)
@@ -336,6 +351,15 @@ class Forwarder:
                 continue
             for a, b in ((c, u), (u, c)):
                 threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    def _is_ready(self) -> bool:
+        if self.readyz is None:
+            return True
+        now_ = time.monotonic()
+        if now_ - self._ready_at >= 1.0:
+            self._ready = self.readyz()
+            self._ready_at = now_
+        return self._ready
 
     @staticmethod
     def _pipe(a: socket.socket, b: socket.socket) -> None:
@@ -378,12 +402,23 @@ class Agent:
         self.free_idx = list(range(2, 255))
         self.stopping = threading.Event()
 
+    def apiserver_ready(self) -> bool:
+        cfg = self.api.configuration
+        auth = cfg.get_api_key_with_prefix("authorization") or cfg.get_api_key_with_prefix("BearerToken") or ""
+        req = urllib.request.Request(cfg.host + "/readyz", headers={"Authorization": auth} if auth else {})
+        try:
+            with urllib.request.urlopen(req, context=ssl._create_unverified_context(), timeout=2) as r:
+                return r.status == 200
+        except Exception:  # noqa: BLE001 - not ready or unreachable
+            return False
+
     def setup_bridge(self) -> None:
         sh("ip", "link", "delete", self.bridge, check=False)
         sh("ip", "link", "add", self.bridge, "type", "bridge")
         sh("ip", "addr", "add", f"{self.host_ip}/24", "dev", self.bridge)
         sh("ip", "link", "set", self.bridge, "up")
-        self.forwarder = Forwarder((self.host_ip, 6443), (self.api_target[0], int(self.api_target[1])))
+        self.forwarder = Forwarder((self.host_ip, 6443), (self.api_target[0], int(self.api_target[1])),
+                                   readyz=self.apiserver_ready)
 
     def teardown_bridge(self) -> None:
         sh("ip", "link", "delete", self.bridge, check=False)
@@ -466,12 +501,22 @@ class Agent:
                 r.pod = p
                 r.tick()
             for uid, r in list(self.pods.items()):
-                if uid not in seen and not r.terminating:
+                if uid not in seen and not r.terminating and self._gone(r):
                     threading.Thread(target=r.terminate, args=(0, False), daemon=True).start()
                 if r.done:
                     self.pods.pop(uid)
                     self.free_idx.append(r.index)
             self.stopping.wait(0.5)
+
+    def _gone(self, r: PodRunner) -> bool:
+        """Whether a pod missing from one listing is really gone (never stop a pod on a partial list)."""
+        try:
+            p = self.core.read_namespaced_pod(r.name, r.ns)
+        except ApiException as e:
+            return e.status == 404
+        except Exception:  # noqa: BLE001 - apiserver unreachable: keep the pod
+            return False
+        return p.metadata.uid != r.uid
 
     def _force_delete(self, p) -> None:
         try:

@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -66,7 +67,11 @@ def cluster(tmp_path_factory, worker_kind):
         pytest.skip(why)
     extra = [] if worker_kind == "real" else [str(MOCK_BIN)]
     print(f"\n[operator e2e] worker pods run the {worker_kind.upper()} `tandem serve`", flush=True)
-    c = Cluster(tmp_path_factory.mktemp("cluster"), pod_path_prepend=extra)
+    # Not under pytest's basetemp: other pytest sessions on the machine rotate /tmp/pytest-of-<user>
+    # and would delete etcd's data and the pods' files under a running cluster.
+    workdir = Path(tempfile.mkdtemp(prefix="tandem-operator-e2e-"))
+    print(f"[operator e2e] cluster files (logs, audit log, pods) in {workdir}", flush=True)
+    c = Cluster(workdir, pod_path_prepend=extra)
     with c:
         c.kubectl("apply", "--server-side", "-f", str(ROOT / "crds"))
         c.kubectl("wait", "--for=condition=established", "--timeout=60s",
