@@ -92,3 +92,23 @@ def test_fp8_model_stays_close_to_unquantized(tiny_llama):
             assert runner.model.layers[0]["qkv"][0].dtype == torch.float8_e4m3fn
     a, b = logits["fp8"].double(), logits["none"].double()
     assert float((a - b).norm() / b.norm()) <= 0.25
+
+
+@pytest.mark.timeout(900)
+def test_smollm2_answers_through_the_triton_kernels(smollm2_path, monkeypatch):
+    """The real SmolLM2-135M (30 layers, 9 q / 3 kv heads of 64) through the Triton kernels under the
+    interpreter, with the references trapped: the same greedy answer as the torch path (~1 min)."""
+    from tandem.worker.engine.config import EngineConfig
+    from tandem.worker.engine.llm_engine import LLMEngine
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    params = {"temperature": 0, "max_tokens": 8}
+    answers = {}
+    for backend in ("torch", "triton"):
+        if backend == "triton":
+            _forbid_reference_ops(monkeypatch)
+        engine = LLMEngine(EngineConfig(model=str(smollm2_path), attention_backend=backend,
+                                        device="cpu", num_kv_blocks=64))
+        out = engine.generate([engine.tokenize_chat(chat)], params)[0]
+        answers[backend] = (out.new_token_ids, out.text)
+    assert answers["triton"] == answers["torch"]
+    assert "Paris" in answers["triton"][1]
