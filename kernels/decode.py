@@ -93,10 +93,12 @@ def _decode_reduce_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, stride_ob, stride_oh,
     smask = s < num_splits
     lse = tl.load(mid_lse_ptr + row0 + s, mask=smask, other=float("-inf"))
     m = tl.max(lse, 0)
+    m = tl.where(m > float("-inf"), m, 0.0)  # all splits empty: avoid -inf - -inf
     w = tl.where(smask & (lse > float("-inf")), tl.exp2(lse - m), 0.0)
     o = tl.load(mid_o_ptr + (row0 + s)[:, None] * D_PAD + d[None, :],
                 mask=smask[:, None] & (d < D)[None, :], other=0.0)
-    o = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0) * out_scale
+    # an empty context (a CUDA-graph padding row with seq_len 0) gives zeros, not 0/0
+    o = tl.sum(w[:, None] * o, 0) / tl.maximum(tl.sum(w, 0), 1e-30) * out_scale
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d < D)
 
 
