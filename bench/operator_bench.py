@@ -48,15 +48,13 @@ def proc_rss_mib(pid: int) -> float:
     return 0.0
 
 
-def count_children(api, ns: str, pool: str) -> int:
+def count_children(kube, ns: str, pool: str) -> int:
     n = 0
     for gv, plural in KINDS:
         base = "/api/v1" if gv == "v1" else f"/apis/{gv}"
-        r = api.call_api("GET", f"{api.configuration.host}{base}/namespaces/{ns}/{plural}"
-                         f"?labelSelector=serving.tandem.dev/pool%3D{pool}",
-                         header_params={"Authorization": api.configuration.get_api_key_with_prefix("authorization")})
-        r.read()
-        n += len(json.loads(r.data)["items"])
+        doc = kube.request("GET", f"{base}/namespaces/{ns}/{plural}",
+                           query={"labelSelector": f"serving.tandem.dev/pool={pool}"})
+        n += len(doc["items"])
     return n
 
 
@@ -79,7 +77,8 @@ def main() -> int:
     from kubernetes import client, config
     import urllib3
     urllib3.disable_warnings(urllib3.exceptions.InsecureRequestWarning)
-    c = Cluster(tempfile.mkdtemp(prefix="tandem-operator-bench-"), node_agent=False)
+    workdir = tempfile.mkdtemp(prefix="tandem-operator-bench-")
+    c = Cluster(workdir, node_agent=False)
     with c:
         c.kubectl("apply", "--server-side", "-f", str(ROOT / "crds"))
         c.kubectl("wait", "--for=condition=established", "--timeout=60s", "crd/inferencepools.serving.tandem.dev")
@@ -89,7 +88,8 @@ def main() -> int:
                               env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
             config.load_kube_config(str(c.kubeconfig))
-            api = client.ApiClient()
+            from tandem.operator.kube import Kube
+            api = Kube(client.ApiClient())
             time.sleep(3)
             c.kubectl("create", "namespace", "bench")
             # 1. apply -> all children exist
@@ -133,6 +133,8 @@ def main() -> int:
                 op.wait(20)
             except subprocess.TimeoutExpired:
                 op.kill()
+    import shutil
+    shutil.rmtree(workdir, ignore_errors=True)
     return 0
 
 

@@ -269,8 +269,9 @@ def desired_objects(pool: S.InferencePool, caps: Capabilities = Capabilities(),
 
 
 def desired_hash(obj: dict[str, Any]) -> str:
-    o = copy.deepcopy(obj)
-    o["metadata"].get("annotations", {}).pop(ANN_DESIRED_HASH, None)
+    md = dict(obj["metadata"])
+    md["annotations"] = {k: v for k, v in (md.get("annotations") or {}).items() if k != ANN_DESIRED_HASH}
+    o = {**obj, "metadata": md}
     return hashlib.sha256(json.dumps(o, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
 
 

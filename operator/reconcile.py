@@ -20,6 +20,8 @@ from .kube import Kube, KubeError, object_path, path_of
 
 log = logging.getLogger("tandem.operator")
 
+CHILD_TYPES = (("v1", "configmaps"), ("v1", "serviceaccounts"), ("rbac.authorization.k8s.io/v1", "roles"),
+               ("rbac.authorization.k8s.io/v1", "rolebindings"), ("v1", "services"), ("apps/v1", "deployments"))
 GIE_VERSIONS = ("inference.networking.k8s.io/v1", "inference.networking.x-k8s.io/v1alpha2")
 
 
@@ -47,6 +49,7 @@ class Reconciler:
         self._locks: dict[str, threading.Lock] = {}
         self._locks_guard = threading.Lock()
         self.stats = {"passes": 0, "applies": 0, "errors": 0}
+        self._desired_cache: dict[tuple, list[dict[str, Any]]] = {}
 
     def _lock(self, key: str) -> threading.Lock:
         with self._locks_guard:
@@ -79,15 +82,36 @@ class Reconciler:
         except KubeError as e:  # events are best effort
             log.warning("event %s for %s/%s: %s", reason, ns, md["name"], e)
 
+    # ---- a snapshot of a namespace's children (for the resync loop) -----------------------------
+    def snapshot(self, namespace: str, caps: D.Capabilities) -> dict[str, dict]:
+        """Every object the operator manages in a namespace, by path, from one LIST per kind: a resync
+        pass over many pools then compares in memory instead of one GET per child."""
+        types = list(CHILD_TYPES) + [(caps.pdb_api_version, "poddisruptionbudgets")]
+        if caps.service_monitor:
+            types.append(("monitoring.coreos.com/v1", "servicemonitors"))
+        if caps.gie_api_version:
+            types.append((caps.gie_api_version, "inferencepools"))
+        out: dict[str, dict] = {}
+        for gv, plural in types:
+            doc = self.kube.request("GET", object_path(gv, plural, namespace),
+                                    query={"labelSelector": "app.kubernetes.io/managed-by=tandem-operator"})
+            for it in (doc or {}).get("items", []):
+                out[object_path(gv, plural, namespace, it["metadata"]["name"])] = it
+        return out
+
     # ---- the pass -------------------------------------------------------------------------------
-    def reconcile(self, body: dict, reason: str = "resync") -> Result:
+    def reconcile(self, body: dict, reason: str = "resync", caps: Optional[D.Capabilities] = None,
+                  snapshot: Optional[dict[str, dict]] = None) -> Result:
+        """One pass. With a snapshot (from `snapshot`, same caps) the children are read from it;
+        a child missing from it counts as missing."""
         md = body["metadata"]
         ns, name = md.get("namespace") or "default", md["name"]
         with self._lock(f"{ns}/{name}"):
             self.stats["passes"] += 1
-            return self._reconcile(body, reason)
+            return self._reconcile(body, reason, caps, snapshot)
 
-    def _reconcile(self, body: dict, reason: str) -> Result:
+    def _reconcile(self, body: dict, reason: str, caps: Optional[D.Capabilities] = None,
+                   snapshot: Optional[dict[str, dict]] = None) -> Result:
         res = Result()
         md = body["metadata"]
         ns, name = md.get("namespace") or "default", md["name"]
@@ -105,20 +129,28 @@ class Reconciler:
             return res
         if pool.metadata.namespace is None:
             pool.metadata.namespace = ns
+        get = self.kube.get if snapshot is None else snapshot.get
         try:
-            caps = self.capabilities()
+            caps = caps or self.capabilities()
             current: dict[str, int] = {}
             existing: dict[str, Optional[dict]] = {}
             for role in ("prefill", "decode"):
-                d = self.kube.get(object_path("apps/v1", "deployments", ns, S.service_name(name, role)))
+                d = get(object_path("apps/v1", "deployments", ns, S.service_name(name, role)))
                 existing[role] = d
                 if d is not None:
                     current[role] = d.get("spec", {}).get("replicas", 1)
-            want = D.desired_objects(pool, caps, current)
+            key = (md.get("uid"), md.get("generation"), md.get("resourceVersion") if md.get("generation") is None
+                   else None, caps, tuple(sorted(current.items())))
+            want = self._desired_cache.get(key)
+            if want is None:  # the desired objects are a pure function of this key: compute once
+                want = D.desired_objects(pool, caps, current)
+                if len(self._desired_cache) > 4096:
+                    self._desired_cache.clear()
+                self._desired_cache[key] = want
             deployments: dict[str, dict] = {}
             for obj in want:
                 path = path_of(obj)
-                have = self.kube.get(path)
+                have = get(path)
                 if D.needs_apply(obj, have):
                     have = self.kube.apply(path, obj)
                     res.applied.append(f"{obj['kind']}/{obj['metadata']['name']}")

