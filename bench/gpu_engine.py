@@ -5,7 +5,8 @@ against Hugging Face transformers (sdpa) in the same run.
   3 after a warm-up. transformers: one forward over the prompt with a cache and ``logits_to_keep=1``
   (what ``generate`` does for its first token).
 * Decode step at batch 1 and 32 (prompts of 512 tokens): the engine's ``step()`` once every
-  sequence decodes; transformers: one forward of one token per sequence with its DynamicCache, and
+  sequence decodes, and the model's decode forward replayed from a CUDA graph
+  (``worker/engine/cuda_graphs.py``; "ours graph ms"); transformers: one forward of one token per sequence with its DynamicCache, and
   (``--compile``) ``generate`` with the static cache under torch.compile, the step time taken as
   the slope between two generation lengths.
 
@@ -159,9 +160,41 @@ def bench_decode(engine, hf, batches, prompt_len, vocab, device, rows, steps=12)
         theirs = statistics.median(t_hf)
         row = {"what": "decode step", "batch": bsz, "ours ms": ours * 1e3, "hf ms": theirs * 1e3,
                "ours/hf": ours / theirs}
+        graph_ms = graph_decode_step(engine, bsz, prompt_len, device, steps)
+        if graph_ms is not None:
+            row["ours graph ms"] = graph_ms
+            if isinstance(graph_ms, float):
+                row["graph/hf"] = graph_ms / (theirs * 1e3)
         row["_prompts"] = x
         rows.append(row)
         _emit(row)
+
+
+def graph_decode_step(engine, bsz, ctx, device, steps):
+    """The model's decode forward replayed from a CUDA graph (worker/engine/cuda_graphs.py), batch
+    ``bsz`` at context ``ctx``: what a graph-captured engine step costs without the scheduler and
+    sampler. None when the module is missing; the error text when capture fails."""
+    import torch
+    try:
+        from tandem.worker.engine.cuda_graphs import DecodeGraphRunner
+    except ImportError:
+        return None
+    runner = engine.runner
+    bs = runner.block_size
+    nblk = -(-(ctx + 1) // bs)
+    if bsz * nblk > runner.num_blocks:
+        return None
+    graphs = DecodeGraphRunner(runner.model, runner.kv_cache, max_batch=bsz, max_blocks=nblk,
+                               device=device, sizes=(bsz,)).capture()
+    tables = torch.arange(bsz * nblk, dtype=torch.int32, device=device).view(bsz, nblk)
+    pos = torch.full((bsz,), ctx, dtype=torch.int64, device=device)
+    slots = tables[:, -1].long() * bs + ctx % bs
+    ids = torch.zeros(bsz, dtype=torch.int64, device=device)
+    lens = torch.full((bsz,), ctx + 1, dtype=torch.int32, device=device)
+    ms = median_time(lambda: graphs.run(ids, pos, slots, tables, lens), device, reps=steps) * 1e3
+    if not graphs.graphs and str(device).startswith("cuda"):
+        return "n/a (capture failed, see log)"
+    return ms
 
 
 def bench_decode_compiled(hf, rows, device):
@@ -251,8 +284,8 @@ def main() -> int:
         del engine  # frees its KV cache and fused weights before compiling
         bench_decode_compiled(hf, rows, device)
     print("\nengine vs transformers (sdpa), Llama-3-8B shape, random weights")
-    print(table(rows, ["what", "tokens", "batch", "ours ms", "hf ms", "ours/hf", "hf static+compile ms",
-                       "ours/hf-compiled"]))
+    print(table(rows, ["what", "tokens", "batch", "ours ms", "ours graph ms", "hf ms", "ours/hf",
+                       "graph/hf", "hf static+compile ms", "ours/hf-compiled"]))
     return 0
 
 
