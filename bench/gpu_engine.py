@@ -194,6 +194,11 @@ def graph_decode_step(engine, bsz, ctx, device, steps):
     ms = median_time(lambda: graphs.run(ids, pos, slots, tables, lens), device, reps=steps) * 1e3
     if not graphs.graphs and str(device).startswith("cuda"):
         return "n/a (capture failed, see log)"
+    replay = graphs.run(ids, pos, slots, tables, lens).clone()
+    eager = graphs._forward(bsz)
+    diff = float((replay - eager).abs().max())
+    record("engine", what="graph replay == eager", batch=bsz, max_abs_diff=diff, ok=diff <= 1e-3)
+    print(f"graph replay vs eager decode forward, batch {bsz}: max |diff| {diff:.3g}", flush=True)
     return ms
 
 
