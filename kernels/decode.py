@@ -25,7 +25,7 @@ import math
 import torch
 
 from ._triton import dot_precision, interpreting, next_pow2, sm_count, tl, triton
-from .paged import load_kv_tile, online_softmax_step
+from .paged import check_paged_inputs, load_kv_tile, online_softmax_step
 
 # Tile sizes, by environment. Benchmarks may overwrite these (see bench/gpu_kernels.py).
 DECODE_CONFIG = {
@@ -116,14 +116,9 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     ``num_splits`` forces the split count (tests and benchmarks); by default it is chosen from the
     batch, the KV heads and the block table's width, without reading ``seq_lens`` on the host.
     """
+    q = check_paged_inputs("decode_attention", q, k_cache, v_cache)
     bsz, hq, d = q.shape
-    _, block_size, hk, dk = k_cache.shape
-    if dk != d or hq % hk:
-        raise ValueError(f"decode_attention: q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}")
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        raise ValueError("the KV cache's head dim must be contiguous")
+    block_size, hk = k_cache.shape[1], k_cache.shape[2]
     out = torch.empty((bsz, hq, d), dtype=q.dtype, device=q.device)
     if bsz == 0:
         return out

@@ -4,6 +4,18 @@ from __future__ import annotations
 from ._triton import tl, triton
 
 
+def check_paged_inputs(op: str, q, k_cache, v_cache):
+    """Validate ``q [T, Hq, D]`` against caches ``[N, block_size, Hk, D]``; returns ``q`` with a
+    contiguous head dim. Raises ValueError naming ``op`` on a mismatch or a strided cache head dim."""
+    d, hq = q.shape[-1], q.shape[-2]
+    hk, dk = k_cache.shape[2], k_cache.shape[3]
+    if dk != d or hq % hk:
+        raise ValueError(f"{op}: q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError(f"{op}: the KV cache's head dim must be contiguous")
+    return q if q.stride(-1) == 1 else q.contiguous()
+
+
 @triton.jit
 def load_kv_tile(k_ptr, v_ptr, bt_row, tok, tmask, kvh, block_size,
                  stride_k0, stride_k1, stride_k2, stride_v0, stride_v1, stride_v2, d, dmask):

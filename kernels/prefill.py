@@ -29,7 +29,7 @@ import math
 import torch
 
 from ._triton import dot_precision, interpreting, next_pow2, tl, triton
-from .paged import load_kv_tile, online_softmax_step
+from .paged import check_paged_inputs, load_kv_tile, online_softmax_step
 
 # Tile configurations by head dim and environment; benchmarks may overwrite entries.
 PREFILL_CONFIG = {
@@ -126,14 +126,9 @@ def prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
                              seq_lens: torch.Tensor, scale: float, kv_scale: float = 1.0
                              ) -> torch.Tensor:
     """Triton version of :func:`tandem.kernels.attention.prefill_attention_ref` (same arguments)."""
+    q = check_paged_inputs("prefill_attention", q, k_cache, v_cache)
     t, hq, d = q.shape
-    _, block_size, hk, dk = k_cache.shape
-    if dk != d or hq % hk:
-        raise ValueError(f"prefill_attention: q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}")
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        raise ValueError("the KV cache's head dim must be contiguous")
+    block_size, hk = k_cache.shape[1], k_cache.shape[2]
     out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
     num_seqs = seq_lens.shape[0]
     if t == 0 or num_seqs == 0:
