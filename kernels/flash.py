@@ -14,6 +14,11 @@ import torch
 _PAGED_MULTIPLE = 256
 
 
+def require() -> None:
+    """Raise ImportError (saying how to get it) when flash-attn is not installed."""
+    _flash()
+
+
 def _flash():
     try:
         import flash_attn

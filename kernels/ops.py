@@ -63,6 +63,7 @@ def select_ops(backend: str, device: str = "cpu") -> Ops:
         fns[name] = getattr(importlib.import_module(module), stem + suffix)
     if chosen == "flash-attn":
         flash = importlib.import_module("tandem.kernels.flash")
+        flash.require()  # a missing flash-attn fails here, at configuration, not at the first step
         fns["prefill_attention"] = flash.prefill_attention_flash
         fns["decode_attention"] = flash.decode_attention_flash
     return Ops(backend=chosen, **fns)

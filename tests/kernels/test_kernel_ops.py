@@ -114,3 +114,9 @@ def test_flash_wrapper_with_a_stand_in(monkeypatch, block_size):
     out = flash.decode_attention_flash(qd, kc, vc, tables, seq_lens, 0.25)
     assert_close(out, attention.decode_attention_ref(qd, kc, vc, tables, seq_lens, 0.25), 1e-12, "decode")
     assert flash._usable_paged(kc, 1.0) == (block_size == 256)
+
+
+@pytest.mark.skipif(HAS_FLASH, reason="flash-attn is installed here")
+def test_flash_attn_backend_missing_fails_at_selection():
+    with pytest.raises(ImportError, match="flash-attn"):
+        ops.select_ops("flash-attn", "cuda")
