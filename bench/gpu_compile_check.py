@@ -45,19 +45,20 @@ def variants(arch: int):
     for d, (bm, bn, warps, stages) in sorted(prefill.PREFILL_CONFIG["gpu16"].items()):
         if d > 128:
             continue
-        out.append((f"prefill d{d} bf16 {bm}x{bn}", prefill._prefill_kernel, attn_types,
-                    dict(GROUP=4, D=d, D_PAD=d, BLOCK_M=bm, BLOCK_N=bn, PREC="tf32"),
-                    dict(num_warps=warps, num_stages=stages)))
+        for tma in (False, True):
+            out.append((f"prefill d{d} bf16 {bm}x{bn}" + (" TMA" if tma else ""), prefill._prefill_kernel,
+                        attn_types, dict(GROUP=4, D=d, D_PAD=d, BLOCK_M=bm, BLOCK_N=bn, PREC="tf32", TMA=tma),
+                        dict(num_warps=warps, num_stages=stages)))
     bm, bn, warps, stages = prefill.PREFILL_CONFIG["gpu16"][128]
     out.append(("prefill d128 fp8 kv", prefill._prefill_kernel,
                 {**attn_types, "k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv"},
-                dict(GROUP=4, D=128, D_PAD=128, BLOCK_M=bm, BLOCK_N=bn, PREC="tf32"),
+                dict(GROUP=4, D=128, D_PAD=128, BLOCK_M=bm, BLOCK_N=bn, PREC="tf32", TMA=False),
                 dict(num_warps=warps, num_stages=stages)))
     f32 = {**attn_types, "q_ptr": "*fp32", "k_ptr": "*fp32", "v_ptr": "*fp32", "out_ptr": "*fp32"}
     for d in (64, 128):
         bm, bn, warps, stages = prefill.PREFILL_CONFIG["gpu32"][d]
         out.append((f"prefill d{d} fp32 (tf32x3)", prefill._prefill_kernel, f32,
-                    dict(GROUP=4, D=d, D_PAD=d, BLOCK_M=bm, BLOCK_N=bn, PREC="tf32x3"),
+                    dict(GROUP=4, D=d, D_PAD=d, BLOCK_M=bm, BLOCK_N=bn, PREC="tf32x3", TMA=False),
                     dict(num_warps=warps, num_stages=stages)))
     dc = decode.DECODE_CONFIG["gpu"]
     for direct in (False, True):
@@ -91,7 +92,7 @@ def variants(arch: int):
 
 # Integer arguments the JIT would see as multiples of 16 at the engine's shapes (it specializes on
 # that, which enables 16-byte vector loads); pointers from torch allocations are 16-byte aligned too.
-DIV16 = {"block_size", "H", "I", "K", "N"}
+DIV16 = {"block_size", "H", "I", "K", "N", "cache_rows", "kv_row_len", "q_row_len"}
 
 
 def divisibility(kernel, sig: dict) -> dict:
@@ -151,7 +152,7 @@ def main() -> int:
             sass = subprocess.run([str(bindir / "cuobjdump"), "-sass", str(cubin)],
                                   capture_output=True, text=True).stdout
         usage = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", res))
-        mma = {k: len(re.findall(rf"\b{k}\b", sass)) for k in ("HGMMA", "QGMMA", "HMMA")}
+        mma = {k: len(re.findall(rf"\b{k}\b", sass)) for k in ("HGMMA", "QGMMA", "HMMA", "UTMALDG")}
         spills = int(usage.get("LOCAL", 0)) + int(usage.get("STACK", 0))
         if spills and "fp32" not in name:  # fp32 is a correctness mode on GPUs; 16-bit/FP8 must not spill
             failed += 1

@@ -4,7 +4,8 @@
   ours reads K/V through a block table (block size 16, scattered blocks); SDPA gets contiguous
   [1, H, L, D] tensors with K/V expanded to 32 heads (its flash and cuDNN kernels take no GQA).
   TFLOP/s count the causal half: 2 * L^2 * Hq * D (QK^T and PV, 2 flops per MAC, halved).
-  Also ours with half the sequence as a cached prefix (the chunked-prefill shape).
+  Also ours with half the sequence as a cached prefix (the chunked-prefill shape), and with
+  128-token blocks through the same gathers and through TMA tensor descriptors (PREFILL_CONFIG["tma"]).
 * Decode attention, batch 1/16/64 over contexts of 1k..32k: bandwidth = bytes of K and V read
   (B * ctx * Hk * D * 2 * 2 bytes) over the median time; SDPA (enable_gqa) gets contiguous caches.
 
@@ -47,6 +48,20 @@ def bench_prefill(dev, lengths, rows):
         row = {"op": "prefill", "tokens": n}
         ms = cuda_time_ms(lambda: prefill_attention_triton(q, kc, vc, tables, cu, seq_lens, scale))
         row["ours ms"], row["ours TF/s"] = ms, flops / ms / 1e9
+        # 128-token blocks: the same gather kernel, then tensor-descriptor (TMA) loads, one per tile
+        from tandem.kernels import prefill as prefill_mod
+        kc128, vc128, tables128 = paged_cache([n], hk, d, 128, dtype, dev)
+        ms_g = cuda_time_ms(lambda: prefill_attention_triton(q, kc128, vc128, tables128, cu, seq_lens, scale))
+        row["bs128 TF/s"] = flops / ms_g / 1e9
+        prefill_mod.PREFILL_CONFIG["tma"] = True
+        try:
+            ms_t = cuda_time_ms(lambda: prefill_attention_triton(q, kc128, vc128, tables128, cu, seq_lens, scale))
+            row["bs128 TMA TF/s"] = flops / ms_t / 1e9
+        except Exception as e:
+            row["bs128 TMA TF/s"] = f"n/a ({type(e).__name__}: {str(e)[:80]})"
+        finally:
+            prefill_mod.PREFILL_CONFIG["tma"] = False
+        del kc128, vc128
         # the same total keys, half of them a cached prefix: the query half costs 3/4 of the full causal work
         half = n // 2
         cu_h = torch.tensor([0, n - half], dtype=torch.int32, device=dev)
@@ -122,8 +137,12 @@ def sweep(dev):
     for cfg in [(128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3),
                 (128, 32, 4, 4), (256, 64, 8, 2)]:
         prefill.PREFILL_CONFIG["gpu16"][128] = cfg
-        for n in ((8192, 16384) if not SMOKE else (40,)):
-            kc, vc, tables = paged_cache([n], hk, d, bs, dtype, dev)
+        for n, page, tma in [(n, p, t) for n in ((8192, 16384) if not SMOKE else (40,))
+                             for p, t in ((bs, False), (128, True))]:
+            if tma and 128 % cfg[1]:
+                continue
+            prefill.PREFILL_CONFIG["tma"] = tma
+            kc, vc, tables = paged_cache([n], hk, d, page, dtype, dev)
             q = torch.randn(n, hq, d, dtype=dtype, device=dev)
             lens = torch.tensor([n], dtype=torch.int32, device=dev)
             cu = torch.tensor([0, n], dtype=torch.int32, device=dev)
@@ -132,7 +151,9 @@ def sweep(dev):
                 tf = 2.0 * n * n * hq * d / ms / 1e9
             except Exception as e:  # out of shared memory, say
                 ms, tf = float("nan"), f"{type(e).__name__}"
-            row = {"kernel": "prefill", "config (BM,BN,warps,stages)": str(cfg), "size": n, "ms": ms, "TF/s": tf}
+            prefill.PREFILL_CONFIG["tma"] = False
+            row = {"kernel": "prefill", "config (BM,BN,warps,stages)": str(cfg) + (" TMA bs128" if tma else ""),
+                   "size": n, "ms": ms, "TF/s": tf}
             rows.append(row)
             record("sweep", **{k.replace(" ", "_"): v for k, v in row.items()})
     prefill.PREFILL_CONFIG["gpu16"].clear()
@@ -179,8 +200,8 @@ def main() -> int:
         bench_decode(dev, batches, contexts, rows_d)
     if rows_p:
         print("\nprefill attention, causal, 32/8 heads, d=128, bf16 (TFLOP/s)")
-        print(table(rows_p, ["tokens", "ours ms", "ours TF/s", "prefix½ TF/s", "sdpa-flash TF/s",
-                             "sdpa-cudnn TF/s", "ours/cudnn"]))
+        print(table(rows_p, ["tokens", "ours ms", "ours TF/s", "bs128 TF/s", "bs128 TMA TF/s",
+                             "prefix½ TF/s", "sdpa-flash TF/s", "sdpa-cudnn TF/s", "ours/cudnn"]))
     if rows_d:
         print("\ndecode attention, 32/8 heads, d=128, bf16 (TB/s of KV read)")
         print(table(rows_d, ["batch", "ctx", "ours ms", "ours TB/s", "sdpa ms", "sdpa TB/s", "speedup"]))

@@ -68,9 +68,17 @@ def _rng(case, draw):
     return random.Random(zlib.crc32(f"{_case_id(case)}/{draw}".encode()))  # fixed across runs
 
 
+@pytest.fixture(params=[False, True], ids=["gather", "tma"])
+def tma(request, monkeypatch):
+    """Prefill through pointer gathers, or through tensor descriptors (TMA) where the blocks allow."""
+    from tandem.kernels import prefill
+    monkeypatch.setitem(prefill.PREFILL_CONFIG, "tma", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("draw", [0, 1])
 @pytest.mark.parametrize("case", PREFILL_CASES, ids=_case_id)
-def test_prefill_attention(poison, case, draw):
+def test_prefill_attention(poison, tma, case, draw):
     dtype, group, hk, d, bs = case
     rng = _rng(case, draw)
     torch.manual_seed(draw)
@@ -119,7 +127,7 @@ def _fp8_cache(kc, vc, kv_scale):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_attention_fp8_kv_cache(poison, dtype):
+def test_attention_fp8_kv_cache(poison, tma, dtype):
     """FP8 KV cache with a per-tensor scale, against float64 on the same quantized cache."""
     hk, group, d, bs, kv_scale = 2, 2, 64, 16, 0.02
     lens, qlens = [40, 17], [9, 17]
@@ -191,3 +199,22 @@ def test_decode_padding_rows_stay_finite(splits):
     assert torch.isfinite(out).all() and not out[1].any()
     ref = attention.decode_attention_ref(q[:1].double(), kc.double(), vc.double(), tables[:1], seq_lens[:1], 0.125)
     assert_close(out[:1], ref, 1e-4, "real row")
+
+
+def test_prefill_ignores_nan_in_stale_slots(tma):
+    """Slots past a sequence's end may hold anything, NaN included (a TMA tile loads them whole)."""
+    from tandem.kernels import prefill
+    hk, group, d, bs = 1, 2, 64, 32
+    lens, qlens = [45, 20], [45, 3]
+    kc, vc, tables = build_cache(lens, hk, d, bs, torch.float32)
+    for b, n in enumerate(lens):  # poison the tail of each sequence's last block
+        last = int(tables[b, (n - 1) // bs])
+        kc[last, n % bs or bs:] = float("nan")
+        vc[last, n % bs or bs:] = float("nan")
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    cu = torch.tensor([0, 45, 48], dtype=torch.int32)
+    q = torch.randn(48, group * hk, d)
+    assert prefill._use_tma(q, kc, vc, prefill.prefill_config(d, q.dtype)[1], d) == tma
+    out = attention.prefill_attention_triton(q, kc, vc, tables, cu, seq_lens, 0.125)
+    ref = attention.prefill_attention_ref(q.double(), kc.double(), vc.double(), tables, cu, seq_lens, 0.125)
+    assert_close(out, ref, 1e-4, "stale NaN slots")
