@@ -28,6 +28,9 @@ class EngineConfig:
         quantization: ``none`` | ``fp8``.
         device: ``cpu`` or ``cuda[:N]``; ``auto`` picks CUDA when available.
         model_name: the OpenAI ``model`` name (defaults to the source's file or folder name).
+        seed: the global torch seed (requests without their own seed sample from it).
+        cuda_graphs: on CUDA, replay pure-decode steps from captured CUDA graphs
+            (:mod:`tandem.worker.engine.cuda_graphs`); False runs every step eagerly.
     """
     model: str
     dtype: str = "float32"
@@ -44,6 +47,7 @@ class EngineConfig:
     device: str = "auto"
     model_name: str = ""
     seed: int = 0
+    cuda_graphs: bool = True
 
     def torch_dtype(self) -> torch.dtype:
         """The torch dtype of ``dtype``; raises ValueError for an unknown name."""

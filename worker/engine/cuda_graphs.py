@@ -1,4 +1,4 @@
-"""Decode steps replayed from CUDA graphs (not wired into the model runner yet; see ``hook`` below).
+"""Decode steps replayed from CUDA graphs (``ModelRunner`` uses it on CUDA unless ``cuda_graphs`` is off).
 
 A decode step of a Llama-3-8B launches ~10 kernels per layer; at batch 1 their launch overhead alone
 is about as long as reading the weights. :class:`DecodeGraphRunner` captures ``model.forward`` for
@@ -14,14 +14,8 @@ pure-decode batches once per batch size and replays it:
 On a CPU (or with ``use_graphs=False``) the runner replays by calling ``model.forward`` on the same
 padded static buffers, which is how the padding logic is tested without a GPU.
 
-Hook (in ``ModelRunner.execute``, for a batch with decodes only and no ``keep_logits``)::
-
-    if self.graphs is not None and not batch.prefills and self.graphs.can_run(len(batch.decodes)):
-        logits = self.graphs.run(input_ids, pos_t, meta.slot_mapping, meta.decode_block_tables,
-                                 meta.decode_seq_lens)          # [B, vocab] float32
-
-with ``self.graphs = DecodeGraphRunner(self.model, self.kv_cache, max_batch=config.max_num_seqs,
-max_blocks=-(-max_model_len // block_size), device=self.device).capture()`` after the KV cache exists.
+``ModelRunner.execute`` replays a batch with decodes only (and no ``keep_logits``) through
+:meth:`DecodeGraphRunner.run`; the runner is built and captured right after the KV cache exists.
 """
 from __future__ import annotations
 

@@ -41,6 +41,12 @@ class ModelRunner:
         log.info("KV cache: %d blocks of %d tokens (%.1f MiB), backend %s", self.num_blocks,
                  config.block_size, self.kv_cache.numel() * self.kv_cache.element_size() / 2**20,
                  self.ops.backend)
+        self.graphs = None
+        if self.device.startswith("cuda") and config.cuda_graphs:
+            from tandem.worker.engine.cuda_graphs import DecodeGraphRunner
+            self.graphs = DecodeGraphRunner(self.model, self.kv_cache, max_batch=config.max_num_seqs,
+                                            max_blocks=-(-max_model_len // config.block_size),
+                                            device=self.device).capture()
 
     def _num_blocks(self, loaded: LoadedModel) -> int:
         cfg = self.config
@@ -96,6 +102,10 @@ class ModelRunner:
                                                  dtype=torch.int32, device=dev)
         input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
         pos_t = torch.cat(positions).to(dev)
+        if (self.graphs is not None and not batch.prefills and not keep
+                and self.graphs.can_run(len(batch.decodes), meta.decode_block_tables.shape[1])):
+            return sample_seqs, self.graphs.run(input_ids, pos_t, meta.slot_mapping, meta.decode_block_tables,
+                                                meta.decode_seq_lens)
         if keep:
             logits = self.model.forward(input_ids, pos_t, meta, self.kv_cache, None)
             for seq, off, n in keep:
