@@ -5,8 +5,9 @@ against Hugging Face transformers (sdpa) in the same run.
   3 after a warm-up. transformers: one forward over the prompt with a cache and ``logits_to_keep=1``
   (what ``generate`` does for its first token).
 * Decode step at batch 1 and 32 (prompts of 512 tokens): the engine's ``step()`` once every
-  sequence decodes, and the model's decode forward replayed from a CUDA graph
-  (``worker/engine/cuda_graphs.py``; "ours graph ms"); transformers: one forward of one token per sequence with its DynamicCache, and
+  sequence decodes (on CUDA it replays CUDA graphs, ``EngineConfig.cuda_graphs``), and the model's
+  decode forward alone replayed from a graph ("ours graph ms": no scheduler, no sampler);
+  transformers: one forward of one token per sequence with its DynamicCache, and
   (``--compile``) ``generate`` with the static cache under torch.compile, the step time taken as
   the slope between two generation lengths.
 
