@@ -3,7 +3,6 @@ remotePrefillMinTokens 0) as real processes on loopback, serving the real SmolLM
 import concurrent.futures as cf
 import json
 import signal
-import time
 
 import pytest
 import requests

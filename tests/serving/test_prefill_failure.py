@@ -1,7 +1,6 @@
 """Kill the prefill worker process mid-load: every request still completes, with an unbroken stream,
 through the decode worker's local prefill fallback; no KV block leaks."""
 import concurrent.futures as cf
-import time
 
 import pytest
 import requests

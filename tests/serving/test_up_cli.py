@@ -10,7 +10,7 @@ import time
 import pytest
 import requests
 
-from fleet_utils import MODEL, ROOT, chat
+from fleet_utils import ROOT, chat
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -23,7 +23,7 @@ from tandem.worker.engine.block_hash import fingerprint
 from tandem.worker.engine.block_manager import BlockManager
 from tandem.worker.engine.config import EngineConfig
 from tandem.worker.engine.detokenizer import IncrementalDetokenizer
-from tandem.worker.engine.loader import LoadedModel, load_model
+from tandem.worker.engine.loader import LoadedModel, chat_token_ids, load_model
 from tandem.worker.engine.model_runner import ModelRunner
 from tandem.worker.engine.sampler import SampleResult, sample
 from tandem.worker.engine.scheduler import Scheduler
@@ -101,12 +101,7 @@ class LLMEngine:
     # ---- requests ---------------------------------------------------------------------------
     def tokenize_chat(self, messages: list[dict]) -> list[int]:
         """Apply the model's chat template (with the generation prompt) and tokenize."""
-        try:
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                     tokenize=True, return_dict=False)
-        except Exception as e:
-            raise InvalidRequestError("messages", f"cannot apply the chat template: {e}") from None
-        return list(ids)
+        return chat_token_ids(self.tokenizer, messages)
 
     def tokenize(self, prompt: str) -> list[int]:
         return list(self.tokenizer.encode(prompt))

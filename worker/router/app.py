@@ -21,7 +21,7 @@ from tandem.worker.engine.sequence import InvalidRequestError
 from tandem.worker.router.policy import WorkerState, decide
 from tandem.worker.server.app import PREFILL_PEER_HEADER, TTFT_HEADER, json_error
 from tandem.worker.server.metrics import Metrics
-from tandem.worker.server.openai import ChatCompletionRequest, CompletionRequest, parse_request
+from tandem.worker.server.openai import read_request
 
 log = logging.getLogger(__name__)
 
@@ -137,20 +137,6 @@ class Router:
     async def chat_completions(self, request):
         return await self._route(request, "/v1/chat/completions", chat=True)
 
-    def _prompt_ids(self, req, chat: bool) -> list[int]:
-        if chat:
-            try:
-                return list(self.tok.apply_chat_template(req.message_dicts(), add_generation_prompt=True,
-                                                         tokenize=True, return_dict=False))
-            except Exception as e:
-                raise InvalidRequestError("messages", f"cannot apply the chat template: {e}") from None
-        p = req.prompt
-        if isinstance(p, list) and p and all(isinstance(x, int) for x in p):
-            return list(p)
-        if isinstance(p, list):
-            p = p[0] if len(p) == 1 else ""
-        return list(self.tok.encode(p)) if p else []
-
     async def _wait_for_decode(self, decide_fn):
         """Decide now, or hold the request (``tandem:router_queued_requests``) until a decode worker is
         ready or ``queue_timeout`` passes."""
@@ -172,16 +158,9 @@ class Router:
         t0 = time.monotonic()
         raw = await request.read()
         try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            return json_error(f"malformed JSON body: {e}", 400)
-        try:
-            req = parse_request(ChatCompletionRequest if chat else CompletionRequest, body)
-            if req.model != self.model_name:
-                return json_error(f"The model `{req.model}` does not exist.", 404, "model")
-            ids = self._prompt_ids(req, chat)
+            req, ids = read_request(raw, chat, self.model_name, self.tok)
         except InvalidRequestError as e:
-            return json_error(str(e), 400, e.field)
+            return json_error(str(e), getattr(e, "status", 400), e.field)
         hashes = block_hashes(ids, self.block_size, self.fingerprint)
         tried: set[str] = set()
         self.in_flight += 1

@@ -6,7 +6,6 @@ prefill peer (header ``X-Tandem-Prefill-Peer``), in which case the prompt's KV i
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
@@ -17,8 +16,7 @@ from aiohttp import web
 from tandem.worker.engine.async_engine import AsyncEngine, EngineDead
 from tandem.worker.engine.sequence import InvalidRequestError, SamplingParams
 from tandem.worker.server.metrics import Metrics
-from tandem.worker.server.openai import (ChatCompletionRequest, CompletionRequest, ResponseBuilder,
-                                         error_body, parse_request)
+from tandem.worker.server.openai import ResponseBuilder, error_body, read_request
 from tandem.worker.transfer import remote_prefill
 from tandem.worker.transfer.tcp import KVTransferServer
 
@@ -140,36 +138,15 @@ class WorkerServer:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, chat=True)
 
-    def _prompt_ids(self, req, chat: bool) -> list[int]:
-        if chat:
-            return self.engine.tokenize_chat(req.message_dicts())
-        p = req.prompt
-        if isinstance(p, list) and p and all(isinstance(x, int) for x in p):
-            return list(p)
-        if isinstance(p, list):
-            if len(p) != 1:
-                raise InvalidRequestError("prompt", "only one prompt per request is supported")
-            p = p[0]
-        if not p:
-            raise InvalidRequestError("prompt", "must not be empty")
-        return self.engine.tokenize(p)
-
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
         t0 = time.monotonic()
         if self.draining:
             return json_error("worker is draining", 503)
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            return json_error(f"malformed JSON body: {e}", 400)
-        try:
-            req = parse_request(ChatCompletionRequest if chat else CompletionRequest, body)
-            if req.model != self.model_name:
-                return json_error(f"The model `{req.model}` does not exist.", 404, "model")
+            req, ids = read_request(await request.read(), chat, self.model_name, self.engine.tokenizer)
             params = SamplingParams.parse(req.sampling())
-            ids = self._prompt_ids(req, chat)
         except InvalidRequestError as e:
-            return json_error(str(e), 400, e.field)
+            return json_error(str(e), getattr(e, "status", 400), e.field)
         rid = self.aengine.new_request_id("chat" if chat else "cmpl")
         peer = request.headers.get(PREFILL_PEER_HEADER) if self.role == "decode" else None
         self.in_flight += 1

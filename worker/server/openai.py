@@ -9,6 +9,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from tandem.worker.engine.loader import chat_token_ids
 from tandem.worker.engine.sequence import InvalidRequestError
 
 log = logging.getLogger(__name__)
@@ -102,6 +103,42 @@ def parse_request(cls, body: Any):
     if req.model_extra:
         log.info("ignoring unknown request fields: %s", sorted(req.model_extra))
     return req
+
+
+def prompt_token_ids(req: "CompletionRequest | ChatCompletionRequest", tokenizer) -> list[int]:
+    """The prompt's token ids: the chat template applied to ``messages``, or the completion ``prompt``
+    (text, or token ids). Raises InvalidRequestError for an empty prompt or several prompts."""
+    if isinstance(req, ChatCompletionRequest):
+        return chat_token_ids(tokenizer, req.message_dicts())
+    p = req.prompt
+    if isinstance(p, list) and p and all(isinstance(x, int) for x in p):
+        return list(p)
+    if isinstance(p, list):
+        if len(p) != 1:
+            raise InvalidRequestError("prompt", "only one prompt per request is supported")
+        p = p[0]
+    if not p:
+        raise InvalidRequestError("prompt", "must not be empty")
+    return list(tokenizer.encode(p))
+
+
+class UnknownModelError(InvalidRequestError):
+    """The request names a model this pool does not serve (HTTP 404)."""
+    status = 404
+
+
+def read_request(raw: bytes, chat: bool, model_name: str, tokenizer):
+    """Parse and check one OpenAI request body; returns ``(request, prompt_token_ids)``.
+
+    Raises InvalidRequestError (HTTP 400: malformed JSON, a bad field) or UnknownModelError (404)."""
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InvalidRequestError("", f"malformed JSON body: {e}") from None
+    req = parse_request(ChatCompletionRequest if chat else CompletionRequest, body)
+    if req.model != model_name:
+        raise UnknownModelError("model", f"The model `{req.model}` does not exist.")
+    return req, prompt_token_ids(req, tokenizer)
 
 
 def error_body(message: str, status: int, param: str | None = None,
