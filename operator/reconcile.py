@@ -159,6 +159,14 @@ class Reconciler:
                     res.unchanged += 1
                 if obj["kind"] == "Deployment":
                     deployments[obj["metadata"]["labels"][D.LABEL_ROLE]] = have
+            if caps.gie_api_version and not any(o["kind"] == "InferencePool" for o in want):
+                # spec.gateway was removed: remove the GIE InferencePool this pool owns
+                gpath = object_path(caps.gie_api_version, "inferencepools", ns, name)
+                g = get(gpath)
+                if g is not None and any(r.get("uid") == md.get("uid")
+                                         for r in g["metadata"].get("ownerReferences", [])):
+                    self.kube.delete(gpath)
+                    res.applied.append(f"-InferencePool/{name}")
         except KubeError as e:
             self.stats["errors"] += 1
             res.error = str(e)

@@ -343,6 +343,10 @@ def test_optional_children_only_where_their_crds_exist(cluster, operator, helm_b
     wait_for(lambda: kget(cluster, "servicemonitors.monitoring.coreos.com", "noepp", ns="gw"), 60, "ServiceMonitor")
     time.sleep(6)
     assert kget(cluster, "inferencepools.inference.networking.x-k8s.io", "noepp", ns="gw") is None
+    # removing the endpoint picker removes the GIE InferencePool
+    patch_pool(cluster, {"spec": {"gateway": None}}, ns="gw", name="withepp")
+    wait_for(lambda: kget(cluster, "inferencepools.inference.networking.x-k8s.io", "withepp", ns="gw") is None, 60,
+             "GIE InferencePool removed")
     # with the CRD present, the chart's own ServiceMonitor also passes a server dry run
     r = cluster.kubectl("apply", "--dry-run=server", "-f", "-",
                         input=render_chart(helm_bin, "metrics.serviceMonitor.enabled=true"), check=False)
