@@ -69,6 +69,8 @@ def manifest(ns: str, name: str) -> dict:
 
 
 def main() -> int:
+    import signal
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the cluster (by PID) on SIGTERM too
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trials", type=int, default=10)
     ap.add_argument("--pools", type=int, default=100)

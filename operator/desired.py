@@ -7,10 +7,9 @@ controller owner reference to the pool, so deletion is left to the garbage colle
 """
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import yaml

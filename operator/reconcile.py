@@ -9,7 +9,6 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import threading
-import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Optional

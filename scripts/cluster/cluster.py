@@ -14,10 +14,8 @@ ClusterIPs are never dialed; the apiserver reaches Services through their Endpoi
 from __future__ import annotations
 
 import argparse
-import base64
 import os
 import secrets
-import shutil
 import signal
 import socket
 import ssl

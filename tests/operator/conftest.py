@@ -49,6 +49,8 @@ def real_worker_available() -> bool:
 def _can_run_cluster() -> str | None:
     if os.geteuid() != 0:
         return "the node agent needs root (network namespaces)"
+    from cluster import build
+    build()  # once per cache directory; as root it apt-installs etcd-server, golang-go & co. if missing
     for tool in ("ip", "etcd", "openssl"):
         if subprocess.run(["which", tool], capture_output=True).returncode != 0:
             return f"{tool} is missing"
