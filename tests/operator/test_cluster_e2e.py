@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import (OPERATOR_NS, OPERATOR_SA, ROOT, apply_yaml, condition, kget, render_chart, wait_for)
+from operator_helpers import (OPERATOR_NS, OPERATOR_SA, ROOT, apply_yaml, condition, kget, render_chart, wait_for)
 
 NS = "e2e"
 POOL = "smollm2"
