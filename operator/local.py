@@ -70,7 +70,9 @@ class LocalFleet:
         path.write_text(cfg.to_yaml())
         cmd = [sys.executable, "-m", "tandem.worker.cli", "serve", "--role", role, "--config", str(path),
                "--host", self.host, "--port", str(port), *extra]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        # PYTHONSAFEPATH: `python -m` must not put the working directory on sys.path, where a checkout's
+        # top-level operator/ folder would shadow the standard library's `operator`
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONSAFEPATH": "1"}
         popen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                  env=env, start_new_session=True)
         threading.Thread(target=_pump, args=(name, popen.stdout, self.out), daemon=True).start()

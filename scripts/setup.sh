@@ -4,6 +4,10 @@
 # on a GPU machine install your CUDA build of torch into .venv before running this.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The repo's top-level operator/ folder would shadow the standard library's `operator` for
+# `python -m ...` run here (which puts the current directory first on sys.path); Python 3.11's
+# safe-path mode leaves the current directory out.
+export PYTHONSAFEPATH=1
 PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 . .venv/bin/activate
