@@ -181,7 +181,7 @@ class EngineSpec(_Model):
     maxNumSeqs: int = Field(256, ge=1, le=65536, description="Most sequences running at once per worker.")
     kvCache: KVCacheSpec = Field(default_factory=KVCacheSpec, description="KV-cache memory.")
     attentionBackend: Literal["auto", "triton", "flash-attn", "torch"] = Field(
-        "auto", description="Attention implementation; auto picks flash-attn, then Triton on GPUs, torch on CPUs.")
+        "auto", description="Attention implementation; auto picks Triton on GPUs and torch on CPUs; flash-attn only when named.")
 
 
 # ---------------------------------------------------------------------------------------------
