@@ -56,7 +56,10 @@ def prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
             continue
         k = _dequant(gather_kv_ref(k_cache, block_tables[b], length).transpose(0, 1), q.dtype, kv_scale)
         v = _dequant(gather_kv_ref(v_cache, block_tables[b], length).transpose(0, 1), q.dtype, kv_scale)
-        qb = q[qs:qe].transpose(0, 1)
+        # 4-D [1, H, L, D]: with 3-D inputs torch's CPU SDPA leaves its flash kernel for the ~6x
+        # slower math path
+        qb = q[qs:qe].transpose(0, 1)[None]
+        k, v = k[None], v[None]
         if qlen == length:
             o = F.scaled_dot_product_attention(qb, k, v, is_causal=True, scale=scale,
                                                enable_gqa=hq != hk)
@@ -65,7 +68,7 @@ def prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
             mask = torch.arange(length, device=q.device)[None, :] <= pos[:, None]
             o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale,
                                                enable_gqa=hq != hk)
-        out[qs:qe] = o.transpose(0, 1)
+        out[qs:qe] = o[0].transpose(0, 1)
     return out
 
 
