@@ -25,9 +25,9 @@ def test_prefill_worker_killed_mid_load():
         decode = next(p for p in fleet.procs if p.role == "decode").url
         with cf.ThreadPoolExecutor(8) as ex:
             futs = [ex.submit(stream_chat, fleet.endpoint, i) for i in range(8)]
-            # kill once transfers are under way
-            assert wait_for(lambda: metric(decode, "tandem:kv_transfer_bytes_total", direction="received") > 0
-                            or any(f.done() for f in futs), 120, 0.05)
+            # kill while transfers are open on the prefill worker (each takes seconds of prefill on the CPU)
+            assert wait_for(lambda: requests.get(prefill.url + "/health", timeout=5).json()["in_flight"] >= 3,
+                            120, 0.05)
             prefill.popen.kill()
             prefill.popen.wait()
             results = [f.result() for f in futs]      # raises if any stream broke
