@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -68,8 +69,11 @@ class LocalFleet:
     def _start(self, name: str, role: str, cfg, port: int, extra: list[str] = ()) -> Proc:
         path = self.dir / f"{name}.yaml"
         path.write_text(cfg.to_yaml())
-        cmd = [sys.executable, "-m", "tandem.worker.cli", "serve", "--role", role, "--config", str(path),
-               "--host", self.host, "--port", str(port), *extra]
+        # the console script beside this interpreter, so `ps` shows `tandem serve ...`
+        script = Path(sys.executable).with_name("tandem")
+        launcher = [str(script)] if script.is_file() else [sys.executable, "-m", "tandem.worker.cli"]
+        cmd = [*launcher, "serve", "--role", role, "--config", str(path), "--host", self.host, "--port", str(port),
+               *extra]
         # PYTHONSAFEPATH: `python -m` must not put the working directory on sys.path, where a checkout's
         # top-level operator/ folder would shadow the standard library's `operator`
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONSAFEPATH": "1"}
@@ -115,7 +119,8 @@ class LocalFleet:
         self._wait_ready([router], timeout)
 
     def stop(self, grace: float = 30.0) -> None:
-        """Router first, then workers: SIGTERM (drain, then exit), SIGKILL after ``grace`` seconds."""
+        """Router first, then workers: SIGTERM (drain, then exit), SIGKILL after ``grace`` seconds.
+        Then the temporary config folder goes."""
         for group in ([p for p in self.procs if p.role == "router"],
                       [p for p in self.procs if p.role != "router"]):
             for p in group:
@@ -128,6 +133,7 @@ class LocalFleet:
                 except subprocess.TimeoutExpired:
                     p.popen.kill()
                     p.popen.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
 
     def ask(self, question: str, max_tokens: int = 64) -> str:
         """One chat completion through the router; returns the answer's text."""
@@ -141,6 +147,9 @@ class LocalFleet:
 
 def run_up(args) -> int:
     """The ``tandem up`` command."""
+    if not Path(args.manifest).is_file():
+        print(f"error: {args.manifest}: no such file", file=sys.stderr)
+        return 2
     try:
         fleet = LocalFleet(args.manifest, args.host, args.port)
     except (OSError, SpecError) as e:
@@ -151,7 +160,7 @@ def run_up(args) -> int:
         signal.signal(sig, lambda *_: stop.set())
     name = fleet.pool.metadata.name
     try:
-        print(f"tandem up: starting pool {name} (logs under {fleet.dir})", flush=True)
+        print(f"tandem up: starting pool {name} (process configs under {fleet.dir})", flush=True)
         fleet.start()
         print(f"tandem up: pool {name} is ready. OpenAI endpoint: {fleet.endpoint}/v1 "
               f"(model {fleet.pool.spec.model.name!r})", flush=True)

@@ -12,12 +12,18 @@ from tandem.worker.serve_cli import add_serve_commands
 def _generate(args) -> int:
     from tandem.worker.engine.config import EngineConfig
     from tandem.worker.engine.llm_engine import LLMEngine
-    from tandem.worker.engine.sequence import InvalidRequestError
+    from tandem.worker.engine.loader import ModelLoadError
+    from tandem.worker.engine.sequence import InvalidRequestError, SamplingParams
 
-    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
-                                    attention_backend=args.attention_backend, device=args.device))
     params = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
               "top_k": args.top_k, "seed": args.seed, "stop": args.stop or []}
+    try:
+        SamplingParams.parse(params)   # before the model loads
+        engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+                                        attention_backend=args.attention_backend, device=args.device))
+    except (InvalidRequestError, ModelLoadError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     try:
         if args.chat:
             ids = engine.tokenize_chat([{"role": "user", "content": args.prompt}])

@@ -120,7 +120,11 @@ BAD = [
     ("temperature out of range", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
                                   "temperature": -2}, 400, "temperature"),
     ("prompt over the context length", {"model": MODEL, "messages": [{"role": "user", "content": "fox " * 2100}]},
-     400, "prompt"),
+     400, "messages"),
+    ("unknown role", {"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages.0.role"),
+    ("message without content", {"model": MODEL, "messages": [{"role": "user"}]}, 400, "messages.0"),
+    ("boolean max_tokens", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": True},
+     400, "max_tokens"),
 ]
 
 
@@ -138,6 +142,19 @@ def test_bad_input_then_service_continues(fleet, both_worker, case, body, status
         if case == "prompt over the context length":
             assert "2048" in err["message"]
         assert "Paris" in chat(url, QUESTION)[0]
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"model": MODEL, "prompt": 123}, "prompt"),
+    ({"model": MODEL, "prompt": "hi", "echo": True}, "echo"),
+    ({"model": MODEL, "prompt": ""}, "prompt"),
+])
+def test_bad_completions_and_unknown_paths(fleet, body, param):
+    r = requests.post(fleet.endpoint + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    for method, path, status in (("GET", "/v2/nothing", 404), ("GET", "/v1/completions", 405)):
+        r = requests.request(method, fleet.endpoint + path, timeout=10)
+        assert r.status_code == status and r.json()["error"]["code"] == status
 
 
 def test_client_disconnect_mid_stream_frees_blocks(fleet):

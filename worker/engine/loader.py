@@ -79,7 +79,9 @@ def resolve_source(source: str) -> Path:
             if candidate.exists():
                 return candidate
         raise ModelLoadError(f"{source}: package {pkg!r} is installed but has no file {rel!r}")
-    raise ModelLoadError(f"{source}: no such file or directory, and no installed package {pkg!r}")
+    if source.startswith("package:"):
+        raise ModelLoadError(f"{source}: no installed package {pkg!r}")
+    raise ModelLoadError(f"{source}: no such file or directory")
 
 
 def load_model(source: str) -> LoadedModel:

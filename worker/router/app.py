@@ -19,8 +19,8 @@ from aiohttp import web
 from tandem.worker.engine.block_hash import block_hashes, fingerprint
 from tandem.worker.engine.sequence import InvalidRequestError
 from tandem.worker.router.policy import WorkerState, decide
-from tandem.worker.server.app import PREFILL_PEER_HEADER, TTFT_HEADER, json_error
-from tandem.worker.server.metrics import Metrics
+from tandem.worker.server.app import PREFILL_PEER_HEADER, TTFT_HEADER, json_error, openai_app
+from tandem.worker.server.metrics import Metrics, TokenTimer
 from tandem.worker.server.openai import read_request
 
 log = logging.getLogger(__name__)
@@ -62,16 +62,7 @@ class Router:
         self.queued = 0
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 1024 * 1024)
-        app.router.add_post("/v1/completions", self.completions)
-        app.router.add_post("/v1/chat/completions", self.chat_completions)
-        app.router.add_get("/v1/models", self.models)
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/ready", self.ready)
-        app.router.add_get("/metrics", self.metrics_route)
-        app.on_startup.append(self._startup)
-        app.on_cleanup.append(self._cleanup)
-        return app
+        return openai_app(self)
 
     async def _startup(self, app) -> None:
         self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=3))
@@ -239,7 +230,7 @@ class Router:
         resp = web.StreamResponse(status=upstream.status, headers={
             k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS})
         await resp.prepare(request)
-        ttft, last, itls, tokens, buf = None, None, [], 0, b""
+        timer, buf = TokenTimer(t0), b""
         async with upstream:
             try:
                 async for chunk in upstream.content.iter_any():
@@ -248,20 +239,14 @@ class Router:
                     *events, buf = buf.split(b"\n\n")
                     for ev in events:
                         if _has_token_text(ev):
-                            now = time.monotonic()
-                            if ttft is None:
-                                ttft = now - t0
-                            elif last is not None:
-                                itls.append(now - last)
-                            last = now
-                            tokens += 1
+                            timer.tick()
             except (ConnectionResetError, aiohttp.ClientConnectionResetError):
                 log.info("client went away mid-stream")   # leaving closes upstream; the worker aborts
                 return resp
             except aiohttp.ClientPayloadError as e:
                 log.warning("decode worker broke the stream: %r", e)
                 return resp
-        self.metrics.observe_request(ttft, time.monotonic() - t0, tokens, itls)
+        self.metrics.observe_request(timer.ttft, time.monotonic() - t0, timer.tokens, timer.itls)
         await resp.write_eof()
         return resp
 

@@ -15,7 +15,7 @@ from aiohttp import web
 
 from tandem.worker.engine.async_engine import AsyncEngine, EngineDead
 from tandem.worker.engine.sequence import InvalidRequestError, SamplingParams
-from tandem.worker.server.metrics import Metrics
+from tandem.worker.server.metrics import Metrics, TokenTimer
 from tandem.worker.server.openai import ResponseBuilder, error_body, read_request
 from tandem.worker.transfer import remote_prefill
 from tandem.worker.transfer.tcp import KVTransferServer
@@ -24,6 +24,31 @@ log = logging.getLogger(__name__)
 
 PREFILL_PEER_HEADER = "X-Tandem-Prefill-Peer"
 TTFT_HEADER = "X-Tandem-TTFT-Seconds"
+
+
+@web.middleware
+async def json_errors(request: web.Request, handler):
+    """aiohttp's own errors (unknown path 404, wrong method 405, body too large 413) as OpenAI JSON."""
+    try:
+        return await handler(request)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return json_error(f"{e.reason}: {request.method} {request.path}", e.status)
+
+
+def openai_app(h) -> web.Application:
+    """The routes the router and every worker share, served by ``h``'s handlers of the same names."""
+    app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[json_errors])
+    app.router.add_post("/v1/completions", h.completions)
+    app.router.add_post("/v1/chat/completions", h.chat_completions)
+    app.router.add_get("/v1/models", h.models)
+    app.router.add_get("/health", h.health)
+    app.router.add_get("/ready", h.ready)
+    app.router.add_get("/metrics", h.metrics_route)
+    app.on_startup.append(h._startup)
+    app.on_cleanup.append(h._cleanup)
+    return app
 
 
 def json_error(message: str, status: int, param: str | None = None) -> web.Response:
@@ -65,17 +90,9 @@ class WorkerServer:
         self.metrics.kv_transfer_seconds.observe(seconds)
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 1024 * 1024)
-        app.router.add_post("/v1/completions", self.completions)
-        app.router.add_post("/v1/chat/completions", self.chat_completions)
-        app.router.add_get("/v1/models", self.models)
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/ready", self.ready)
+        app = openai_app(self)
         app.router.add_post("/drain", self.drain)
         app.router.add_get("/drain", self.drain_status)
-        app.router.add_get("/metrics", self.metrics_route)
-        app.on_startup.append(self._startup)
-        app.on_cleanup.append(self._cleanup)
         return app
 
     async def _startup(self, app) -> None:
@@ -144,7 +161,7 @@ class WorkerServer:
             return json_error("worker is draining", 503)
         try:
             req, ids = read_request(await request.read(), chat, self.model_name, self.engine.tokenizer)
-            params = SamplingParams.parse(req.sampling())
+            params = SamplingParams.parse(req.sampling(self.engine.max_model_len, len(ids)))
         except InvalidRequestError as e:
             return json_error(str(e), getattr(e, "status", 400), e.field)
         rid = self.aengine.new_request_id("chat" if chat else "cmpl")
@@ -157,6 +174,8 @@ class WorkerServer:
             try:
                 first = await gen.__anext__()
             except InvalidRequestError as e:
+                if chat and e.field == "prompt":   # a chat request has no prompt field: name messages
+                    e = InvalidRequestError("messages", e.message)
                 return json_error(str(e), 400, e.field)
             except EngineDead as e:
                 return json_error(str(e), 500)
@@ -182,15 +201,10 @@ class WorkerServer:
         await resp.prepare(request)
         if builder.chat:
             await resp.write(builder.role_chunk())
-        ttft, last, itls, out = None, None, [], first
+        timer, out = TokenTimer(t0), first
         try:
             async for out in _chain(first, gen):
-                now = time.monotonic()
-                if ttft is None:
-                    ttft = now - t0
-                elif last is not None:
-                    itls.append(now - last)
-                last = now
+                timer.tick()
                 if out.new_text or out.finished or out.logprobs:
                     await resp.write(builder.delta_chunk(out.new_text, out.finish_reason, out.logprobs))
             if req.include_usage:
@@ -204,7 +218,7 @@ class WorkerServer:
             await resp.write(b"data: " + json.dumps(error_body(str(e), 500, None, "server_error")).encode()
                              + b"\n\n")
             return resp
-        self._finished(out, t0, ttft, itls, first)
+        self._finished(out, t0, timer.ttft, timer.itls, first)
         await resp.write_eof()
         return resp
 

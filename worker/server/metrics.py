@@ -5,6 +5,8 @@ and gauges are read from the engine at scrape time, so the engine keeps one set 
 """
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -71,6 +73,23 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class TokenTimer:
+    """TTFT and the inter-token gaps of one streamed request, timed from ``t0`` (monotonic seconds)."""
+
+    def __init__(self, t0: float):
+        self.t0, self.ttft, self.last, self.itls, self.tokens = t0, None, None, [], 0
+
+    def tick(self) -> None:
+        """A token (or a chunk of token text) went out now."""
+        now = time.monotonic()
+        if self.ttft is None:
+            self.ttft = now - self.t0
+        else:
+            self.itls.append(now - self.last)
+        self.last = now
+        self.tokens += 1
 
 
 class _EngineCollector:

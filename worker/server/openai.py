@@ -3,24 +3,27 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 import uuid
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator,
+                      model_validator)
 
 from tandem.worker.engine.loader import chat_token_ids
 from tandem.worker.engine.sequence import InvalidRequestError
 
 log = logging.getLogger(__name__)
 
+_UNION_MEMBER = re.compile(r"^(str|int|float|bool|list\[.*\]|dict\[.*\]|function-.*)$")
 _SAMPLING = ("temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos")
 
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="allow")
     model: str
-    max_tokens: Optional[int] = None
+    max_tokens: Optional[StrictInt] = None
     temperature: Optional[float] = None
     top_p: Optional[float] = None
     top_k: Optional[int] = None
@@ -29,15 +32,18 @@ class _Request(BaseModel):
     stop_token_ids: Optional[list[int]] = None
     ignore_eos: bool = False
     n: int = Field(1, ge=1, le=1)
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: Optional[dict[str, Any]] = None
 
-    def sampling(self) -> dict:
+    def sampling(self, max_model_len: int, num_prompt_tokens: int) -> dict:
+        """The SamplingParams fields. Without max_tokens: OpenAI's 16 for completions; for chat, the
+        rest of the context (as vLLM does)."""
         d = {k: getattr(self, k) for k in _SAMPLING if getattr(self, k) is not None}
-        d["max_tokens"] = self.max_tokens if self.max_tokens is not None else self._default_max_tokens()
+        d["max_tokens"] = (self.max_tokens if self.max_tokens is not None
+                           else self._default_max_tokens(max_model_len, num_prompt_tokens))
         return d
 
-    def _default_max_tokens(self) -> int:
+    def _default_max_tokens(self, max_model_len: int, num_prompt_tokens: int) -> int:
         return 16
 
     @property
@@ -46,12 +52,19 @@ class _Request(BaseModel):
 
 
 class CompletionRequest(_Request):
-    prompt: Union[str, list[int], list[str]]
+    prompt: Union[str, list[StrictInt], list[str]]
     logprobs: Optional[int] = None
-    echo: Literal[False] = False
+    echo: bool = False
 
-    def sampling(self) -> dict:
-        d = super().sampling()
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, v):
+        if v:
+            raise ValueError("echo is not supported")
+        return v
+
+    def sampling(self, max_model_len: int, num_prompt_tokens: int) -> dict:
+        d = super().sampling(max_model_len, num_prompt_tokens)
         if self.logprobs is not None:
             d["logprobs"] = self.logprobs
         return d
@@ -59,26 +72,32 @@ class CompletionRequest(_Request):
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
-    role: str
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[dict[str, Any]], None] = None
+
+    @model_validator(mode="after")
+    def _content_present(self):
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content")
+        return self
 
 
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: Optional[int] = None
+    max_completion_tokens: Optional[StrictInt] = None
     logprobs: bool = False
     top_logprobs: Optional[int] = None
 
-    def sampling(self) -> dict:
+    def sampling(self, max_model_len: int, num_prompt_tokens: int) -> dict:
         if self.max_tokens is None and self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
-        d = super().sampling()
+        d = super().sampling(max_model_len, num_prompt_tokens)
         if self.logprobs:
             d["logprobs"] = self.top_logprobs or 0
         return d
 
-    def _default_max_tokens(self) -> int:
-        return 256
+    def _default_max_tokens(self, max_model_len: int, num_prompt_tokens: int) -> int:
+        return max(1, max_model_len - num_prompt_tokens)
 
     def message_dicts(self) -> list[dict]:
         out = []
@@ -98,8 +117,9 @@ def parse_request(cls, body: Any):
         req = cls.model_validate(body)
     except ValidationError as e:
         err = e.errors()[0]
-        loc = ".".join(str(x) for x in err["loc"])
-        raise InvalidRequestError(loc, f"{err['msg']} (got {err.get('input')!r})"[:300]) from None
+        loc = ".".join(str(x) for x in err["loc"] if not _UNION_MEMBER.match(str(x)))
+        msg = err["msg"].removeprefix("Value error, ")
+        raise InvalidRequestError(loc, f"{msg} (got {err.get('input')!r})"[:300]) from None
     if req.model_extra:
         log.info("ignoring unknown request fields: %s", sorted(req.model_extra))
     return req
@@ -159,18 +179,20 @@ class ResponseBuilder:
         return {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": completion_tokens,
                 "total_tokens": self.num_prompt_tokens + completion_tokens}
 
+    def _text(self, token_id: int) -> str:
+        return self.tok.decode([token_id])
+
     def _logprobs(self, samples) -> dict | None:
         if not samples:
             return None
-        toks = [self.tok.convert_ids_to_tokens(s.token_id) for s in samples]
+        toks = [self._text(s.token_id) for s in samples]
         if self.chat:
             return {"content": [{
                 "token": t, "logprob": s.logprob, "bytes": list(t.encode()),
-                "top_logprobs": [{"token": self.tok.convert_ids_to_tokens(i), "logprob": lp,
-                                  "bytes": list(self.tok.convert_ids_to_tokens(i).encode())}
+                "top_logprobs": [{"token": self._text(i), "logprob": lp, "bytes": list(self._text(i).encode())}
                                  for i, lp in (s.top_logprobs or [])]} for t, s in zip(toks, samples)]}
         return {"tokens": toks, "token_logprobs": [s.logprob for s in samples],
-                "top_logprobs": [{self.tok.convert_ids_to_tokens(i): lp for i, lp in (s.top_logprobs or [])}
+                "top_logprobs": [{self._text(i): lp for i, lp in (s.top_logprobs or [])}
                                  for s in samples], "text_offset": []}
 
     def full(self, text: str, finish_reason: str | None, completion_tokens: int, samples) -> dict:
