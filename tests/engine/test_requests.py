@@ -1,5 +1,6 @@
 """Bad input, sampling options, stop conditions, incremental detokenization, block hashes, loading errors."""
 import logging
+import os
 import subprocess
 import sys
 
@@ -152,3 +153,16 @@ def test_loading_errors_name_the_file(tmp_path, tiny_llama):
         load_model(str(corrupt))
     with pytest.raises(ModelLoadError, match="no_such_pkg"):
         load_model("package:no_such_pkg/x.gguf")
+
+
+def test_generate_cli_errors_are_one_line(tmp_path):
+    bad_model = subprocess.run([sys.executable, "-m", "tandem.worker.cli", "generate", "--model",
+                                str(tmp_path / "missing.gguf"), "--prompt", "hi"], capture_output=True, text=True,
+                               env={**os.environ, "PYTHONSAFEPATH": "1"})
+    assert bad_model.returncode == 2
+    assert bad_model.stderr.strip().splitlines()[-1].startswith("error: ") and "no such file" in bad_model.stderr
+    assert "Traceback" not in bad_model.stderr
+    bad_value = subprocess.run([sys.executable, "-m", "tandem.worker.cli", "generate", "--model", "x",
+                                "--prompt", "hi", "--max-tokens", "-1"], capture_output=True, text=True,
+                               env={**os.environ, "PYTHONSAFEPATH": "1"})
+    assert bad_value.returncode == 2 and "max_tokens" in bad_value.stderr
