@@ -125,14 +125,16 @@ def test_transfer_broken_mid_stream_frees_blocks_on_both_sides(tiny_llama):
             async def pipe(r, w, limit):
                 n = 0
                 while data := await r.read(65536):
+                    if limit and n + len(data) >= limit:   # forward exactly `limit` bytes, then cut
+                        w.write(data[:limit - n])
+                        break
                     w.write(data)
                     n += len(data)
-                    if limit and n > limit:
-                        break
                 w.close()
                 writer.close()
                 up_w.close()
-            await asyncio.gather(pipe(reader, up_w, 0), pipe(up_r, writer, 20000), return_exceptions=True)
+            # the whole KV of this prompt is ~14 KB: cut inside it
+            await asyncio.gather(pipe(reader, up_w, 0), pipe(up_r, writer, 4000), return_exceptions=True)
         relay_server = await asyncio.start_server(relay, "127.0.0.1", 0)
         relay_port = relay_server.sockets[0].getsockname()[1]
         prompt = pe.tokenize("Paris is the capital of France; Berlin is the capital of Germany. " * 3)

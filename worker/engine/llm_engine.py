@@ -248,7 +248,7 @@ class LLMEngine:
         for seq, res in zip(sample_seqs, results):
             outputs.append(self._append_token(seq, res))
         for seq, _ in batch.items:
-            if seq.kv_sink is not None:
+            if seq.kv_sink is not None and seq.status != SeqStatus.FINISHED:  # finished ones sent theirs
                 self._send_kv(seq)
         for out in outputs:
             if out.finished:
@@ -261,10 +261,8 @@ class LLMEngine:
         end = -(-seq.num_computed_tokens // bs) if done else seq.num_computed_tokens // bs
         end = min(end, -(-len(seq.prompt_token_ids) // bs))
         if end > seq.num_blocks_sent:
-            ids = seq.block_table[seq.num_blocks_sent:end] if seq.block_table else []
-            if len(ids) == end - seq.num_blocks_sent:
-                seq.kv_sink(seq, seq.num_blocks_sent, self.runner.read_blocks(ids))
-                seq.num_blocks_sent = end
+            seq.kv_sink(seq, seq.num_blocks_sent, self.runner.read_blocks(seq.block_table[seq.num_blocks_sent:end]))
+            seq.num_blocks_sent = end
 
     def _append_token(self, seq: Sequence, res: SampleResult) -> RequestOutput:
         rid = seq.request_id
