@@ -92,9 +92,6 @@ class LLMEngine:
                                           config.enable_prefix_caching, self.fingerprint)
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
         self.seqs: dict[str, Sequence] = {}
-        self.detok: dict[str, IncrementalDetokenizer] = {}
-        self.text: dict[str, str] = {}
-        self.emitted: dict[str, int] = {}
         self.stats = EngineStats()
         self.eos_ids = set(loaded.config.eos_token_ids)
 
@@ -138,9 +135,7 @@ class LLMEngine:
         self.validate(prompt_token_ids, params)
         seq = Sequence(request_id, list(prompt_token_ids), params)
         self.seqs[request_id] = seq
-        self.detok[request_id] = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids)
-        self.text[request_id] = ""
-        self.emitted[request_id] = 0
+        seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids)
         self.stats.prompt_tokens += len(prompt_token_ids)
         return seq
 
@@ -270,13 +265,13 @@ class LLMEngine:
         seq.first_token_time = seq.first_token_time or time.monotonic()
         self.stats.generation_tokens += 1
         p = seq.params
-        text = self.text[rid] + self.detok[rid].add(res.token_id)
+        text = seq.text + seq.detokenizer.add(res.token_id)
         reason = None
         if res.token_id in p.stop_token_ids or (not p.ignore_eos and res.token_id in self.eos_ids):
             reason = "stop"
         if p.stop:
             window = max(len(s) for s in p.stop)
-            start = max(0, len(self.text[rid]) - window)
+            start = max(0, len(seq.text) - window)
             hits = [i for i in (text.find(s, start) for s in p.stop) if i >= 0]
             if hits:
                 text, reason = text[:min(hits)], "stop"
@@ -285,12 +280,12 @@ class LLMEngine:
             reason = "length"
         if reason is None and seq.stop_after_first_token:
             reason = "prefill_done"
-        self.text[rid] = text
+        seq.text = text
         # While a stop string may still be forming, hold back that many characters.
         hold = 0 if reason else max((len(s) - 1 for s in p.stop), default=0)
-        upto = max(self.emitted[rid], len(text) - hold)
-        delta = text[self.emitted[rid]:upto]
-        self.emitted[rid] = upto
+        upto = max(seq.num_emitted_chars, len(text) - hold)
+        delta = text[seq.num_emitted_chars:upto]
+        seq.num_emitted_chars = upto
         if reason:
             self._finish(seq, reason)
         out = RequestOutput(rid, [res.token_id], delta, text, reason is not None, reason,
@@ -309,9 +304,7 @@ class LLMEngine:
         self.scheduler.finish(seq)
 
     def _forget(self, seq: Sequence) -> None:
-        rid = seq.request_id
-        for d in (self.seqs, self.detok, self.text, self.emitted):
-            d.pop(rid, None)
+        self.seqs.pop(seq.request_id, None)
 
     # ---- convenience --------------------------------------------------------------------------
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | dict | None = None,

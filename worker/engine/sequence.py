@@ -98,6 +98,9 @@ class Sequence:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     stop_after_first_token: bool = False  # prefill role: one token, then hand over
+    detokenizer: object = None           # IncrementalDetokenizer, set by the engine
+    text: str = ""                       # the output text so far (stop strings cut from it)
+    num_emitted_chars: int = 0           # of ``text``, already returned in outputs
 
     @property
     def token_ids(self) -> list[int]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from contextlib import contextmanager
 import logging
 import time
 
@@ -153,14 +154,14 @@ class Router:
         except InvalidRequestError as e:
             return json_error(str(e), getattr(e, "status", 400), e.field)
         hashes = block_hashes(ids, self.block_size, self.fingerprint)
-        tried: set[str] = set()
+        tried: set[str] = set()   # decode workers that failed this request
+
+        def decide_fn():
+            return decide(self._states(self.discovery.decode_urls()), self._states(self.discovery.prefill_urls()),
+                          len(ids), hashes, self.remote_min, self.routing, tried, self._rr)
         self.in_flight += 1
         try:
             while True:
-                def decide_fn():
-                    return decide(self._states(self.discovery.decode_urls()),
-                                  self._states(self.discovery.prefill_urls()), len(ids), hashes,
-                                  self.remote_min, self.routing, tried, self._rr)
                 d = await self._wait_for_decode(decide_fn)
                 if d is None:
                     return json_error("no ready decode worker", 503)
@@ -168,43 +169,28 @@ class Router:
                 headers = {"Content-Type": "application/json"}
                 if d.prefill is not None:
                     headers[PREFILL_PEER_HEADER] = d.prefill.url
-                d.decode.in_flight += 1
-                if d.prefill:
-                    d.prefill.in_flight += 1
-                t_send = time.monotonic()
-                try:
-                    upstream = await self.session.post(d.decode.url + path, data=raw, headers=headers)
-                except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
-                    log.warning("decode worker %s unreachable (%r); trying another", d.decode.url, e)
-                    d.decode.ready = False
-                    tried.add(d.decode.url)
-                    continue
-                finally:
-                    d.decode.in_flight -= 1
-                    if d.prefill:
-                        d.prefill.in_flight -= 1
-                if upstream.status == 503 and len(tried) < len(self.discovery.decode_urls()) - 1:
-                    upstream.release()              # draining: try another decode worker
-                    d.decode.ready = False
-                    tried.add(d.decode.url)
-                    continue
-                break
-            self.metrics.routing.labels(**self.metrics.labels, decision=d.reason).inc()
-            d.decode.in_flight += 1
-            if d.prefill:
-                d.prefill.in_flight += 1
-            try:
-                if upstream.status == 200:
-                    d.decode.remember(hashes)
-                    if d.prefill:
-                        d.prefill.remember(hashes)
-                if req.stream and upstream.status == 200:
-                    return await self._relay_stream(request, upstream, t0)
-                return await self._relay_full(upstream, t0, t_send)
-            finally:
-                d.decode.in_flight -= 1
-                if d.prefill:
-                    d.prefill.in_flight -= 1
+                with _load(d):
+                    t_send = time.monotonic()
+                    try:
+                        upstream = await self.session.post(d.decode.url + path, data=raw, headers=headers)
+                    except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
+                        log.warning("decode worker %s unreachable (%r); trying another", d.decode.url, e)
+                        d.decode.ready = False
+                        tried.add(d.decode.url)
+                        continue
+                    if upstream.status == 503 and len(tried) < len(self.discovery.decode_urls()) - 1:
+                        upstream.release()              # draining: try another decode worker
+                        d.decode.ready = False
+                        tried.add(d.decode.url)
+                        continue
+                    self.metrics.routing.labels(**self.metrics.labels, decision=d.reason).inc()
+                    if upstream.status == 200:
+                        d.decode.remember(hashes)
+                        if d.prefill:
+                            d.prefill.remember(hashes)
+                    if req.stream and upstream.status == 200:
+                        return await self._relay_stream(request, upstream, t0)
+                    return await self._relay_full(upstream, t0, t_send)
         finally:
             self.in_flight -= 1
 
@@ -249,6 +235,19 @@ class Router:
         self.metrics.observe_request(timer.ttft, time.monotonic() - t0, timer.tokens, timer.itls)
         await resp.write_eof()
         return resp
+
+
+@contextmanager
+def _load(d):
+    """Count a request against the workers a decision names, for as long as it is in flight."""
+    workers = [w for w in (d.decode, d.prefill) if w is not None]
+    for w in workers:
+        w.in_flight += 1
+    try:
+        yield
+    finally:
+        for w in workers:
+            w.in_flight -= 1
 
 
 def _has_token_text(event: bytes) -> bool:

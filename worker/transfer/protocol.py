@@ -54,11 +54,17 @@ def write_frame(writer, ftype: FrameType, meta: dict, payload: bytes | memoryvie
         writer.write(payload)
 
 
-async def read_frame(reader: asyncio.StreamReader) -> tuple[FrameType, dict, bytes]:
-    """Read one frame. Raises TransferError on a bad header, asyncio.IncompleteReadError on EOF."""
-    magic, ftype, jlen, plen = HEADER.unpack(await reader.readexactly(HEADER.size))
+def parse_header(raw: bytes | bytearray) -> tuple[int, int, int]:
+    """``(frame type, json length, payload length)`` of a frame header; TransferError if it is not one."""
+    magic, ftype, jlen, plen = HEADER.unpack(raw)
     if magic != MAGIC or jlen > MAX_JSON:
         raise TransferError(f"bad frame header {magic!r}")
+    return ftype, jlen, plen
+
+
+async def read_frame(reader: asyncio.StreamReader) -> tuple[FrameType, dict, bytes]:
+    """Read one frame. Raises TransferError on a bad header, asyncio.IncompleteReadError on EOF."""
+    ftype, jlen, plen = parse_header(await reader.readexactly(HEADER.size))
     meta = json.loads(await reader.readexactly(jlen)) if jlen else {}
     payload = await reader.readexactly(plen) if plen else b""
     try:
@@ -129,9 +135,10 @@ class FrameReceiver(asyncio.BufferedProtocol):
         self._pos += nbytes
         while self._pos == len(self._view):   # zero-length parts complete at once
             if self._stage == 0:
-                magic, self._ftype, jlen, self._plen = HEADER.unpack(self._header)
-                if magic != MAGIC or jlen > MAX_JSON:
-                    self._frames.put_nowait(TransferError(f"bad frame header {magic!r}"))
+                try:
+                    self._ftype, jlen, self._plen = parse_header(self._header)
+                except TransferError as e:
+                    self._frames.put_nowait(e)
                     self.transport.close()
                     return
                 self._json = bytearray(jlen)
