@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tandem.operator.spec import SpecError, initial_replicas, load_manifest, worker_config
+from tandem.worker.serve_cli import PARENT_PID_ENV
 
 
 @dataclass
@@ -76,7 +77,8 @@ class LocalFleet:
                *extra]
         # PYTHONSAFEPATH: `python -m` must not put the working directory on sys.path, where a checkout's
         # top-level operator/ folder would shadow the standard library's `operator`
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONSAFEPATH": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONSAFEPATH": "1",
+               PARENT_PID_ENV: str(os.getpid())}   # the process exits with this one (see serve_cli)
         popen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                  env=env, start_new_session=True)
         threading.Thread(target=_pump, args=(name, popen.stdout, self.out), daemon=True).start()

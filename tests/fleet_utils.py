@@ -24,7 +24,8 @@ class LogBuffer(io.StringIO):
     """Collects the fleet's prefixed process output (printed when a test fails)."""
 
 
-def start_fleet(overrides: dict | None = None, name: str = "e2e") -> LocalFleet:
+def example_manifest(overrides: dict | None = None, name: str = "e2e") -> Path:
+    """examples/smollm2.yaml renamed, with ``{"spec.engine.kvCache": ..., ...}`` overrides, in a temp file."""
     manifest = yaml.safe_load((ROOT / "examples" / "smollm2.yaml").read_text())
     manifest["metadata"]["name"] = name
     for path, value in (overrides or {}).items():
@@ -35,7 +36,11 @@ def start_fleet(overrides: dict | None = None, name: str = "e2e") -> LocalFleet:
         node[leaf] = value
     f = Path(tempfile.mkdtemp()) / "pool.yaml"
     f.write_text(yaml.safe_dump(manifest))
-    fleet = LocalFleet(str(f), router_port=0, log_stream=sys.stderr)
+    return f
+
+
+def start_fleet(overrides: dict | None = None, name: str = "e2e") -> LocalFleet:
+    fleet = LocalFleet(str(example_manifest(overrides, name)), router_port=0, log_stream=sys.stderr)
     try:
         fleet.start(timeout=300)
     except Exception:
@@ -44,10 +49,11 @@ def start_fleet(overrides: dict | None = None, name: str = "e2e") -> LocalFleet:
     return fleet
 
 
-def start_worker(role: str = "both", name: str = "e2e-both") -> tuple[subprocess.Popen, str]:
-    """One ``tandem serve`` process from the example manifest's worker config."""
+def start_worker(role: str = "both", name: str = "e2e-both",
+                 overrides: dict | None = None) -> tuple[subprocess.Popen, str]:
+    """One ``tandem serve`` process from the example manifest's worker config (with ``overrides``)."""
     from tandem.operator.spec import load_manifest, worker_config
-    pool = load_manifest(ROOT / "examples" / "smollm2.yaml")
+    pool = load_manifest(example_manifest(overrides, name))
     cfg = Path(tempfile.mkdtemp()) / "worker.yaml"
     cfg.write_text(worker_config(pool, role).to_yaml())
     port = free_port()
@@ -102,14 +108,21 @@ def read_stream(r) -> tuple[str, list[dict]]:
 
 
 def metric(url: str, name: str, **labels) -> float:
-    """Sum of the samples named ``name`` whose labels include ``labels``."""
+    """Sum of the samples named ``name`` whose labels include ``labels``.
+
+    Raises LookupError when no such sample exists: a misspelt name or a series the server never
+    exported must not read as 0 (that would make every no-leak assertion pass)."""
     text = requests.get(url + "/metrics", timeout=10).text
-    total = 0.0
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                total += s.value
-    return total
+    found = [s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+             if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())]
+    if not found:
+        raise LookupError(f"{url}/metrics has no sample {name}{labels or ''}")
+    return sum(found)
+
+
+def urls(fleet: LocalFleet, role: str) -> list[str]:
+    """The base URLs of a fleet's processes of one role."""
+    return [p.url for p in fleet.procs if p.role == role]
 
 
 def wait_for(cond, timeout: float = 30.0, interval: float = 0.2):

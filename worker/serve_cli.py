@@ -2,13 +2,48 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
+import os
 import signal
 import sys
 
 from aiohttp import web
 
+from tandem.worker.api.http import DEFAULT_MAX_REQUEST_BYTES
+
 log = logging.getLogger("tandem.serve")
+
+#: set by a parent that owns this process (``tandem up``): its pid. The process gets SIGTERM (drain,
+#: then exit) when that parent dies, however it dies (SIGKILL, a closed terminal, the OOM killer).
+PARENT_PID_ENV = "TANDEM_PARENT_PID"
+
+
+def exit_with_parent() -> None:
+    """Ask Linux for SIGTERM when the parent named by ``TANDEM_PARENT_PID`` dies (prctl
+    PR_SET_PDEATHSIG), and exit now if it is already gone. A no-op when the variable is not set."""
+    want = os.environ.get(PARENT_PID_ENV)
+    if not want:
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    PR_SET_PDEATHSIG = 1
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        log.warning("prctl(PR_SET_PDEATHSIG) failed (errno %d): this process will outlive its parent",
+                    ctypes.get_errno())
+    if os.getppid() != int(want):   # the parent died before the prctl took effect
+        sys.exit(f"tandem serve: parent {want} is gone; exiting")
+
+
+def model_source(cfg) -> str:
+    """The engine's model source string (``package:PKG/FILE`` or a path) of a worker config.
+
+    Raises ValueError for a PVC source (the operator mounts it and writes its path instead)."""
+    src = cfg.model.source
+    if src.package:
+        return f"package:{src.package}"
+    if src.path:
+        return src.path
+    raise ValueError("model.source.pvc must be mounted and given as a path in the worker config")
 
 
 def engine_config(cfg):
@@ -16,13 +51,7 @@ def engine_config(cfg):
     from tandem.operator.spec import kv_cache_bytes
     from tandem.worker.engine.config import EngineConfig
 
-    src = cfg.model.source
-    if src.package:
-        model = f"package:{src.package}"
-    elif src.path:
-        model = src.path
-    else:
-        raise ValueError("model.source.pvc must be mounted and given as a path in the worker config")
+    model = model_source(cfg)
     e = cfg.engine
     kw = {}
     if kv_cache_bytes(e) is not None:
@@ -63,7 +92,8 @@ async def _serve_worker(args, cfg) -> None:
         kv_server = KVTransferServer(aengine, engine.kv_layout())
         kv_port = await kv_server.start(args.host, args.kv_port if args.kv_port is not None else args.port + 1)
         log.info("KV transfer server on %s:%d", args.host, kv_port)
-    server = WorkerServer(args.role, aengine, cfg.pool, engine.model_name, kv_server, kv_port)
+    server = WorkerServer(args.role, aengine, cfg.pool, engine.model_name, kv_server, kv_port,
+                          max_request_bytes=args.max_request_bytes)
 
     async def on_signal(stop: asyncio.Event) -> None:
         """SIGTERM: drain (stop admitting, turn not-ready), wait for in-flight work, then exit."""
@@ -85,10 +115,11 @@ async def _serve_router(args, cfg) -> None:
     from tandem.worker.router.app import Router
     from tandem.worker.router.discovery import make_discovery
 
-    ecfg = engine_config(cfg)
-    router = Router(cfg.pool, ecfg.model_name, ecfg.model, ecfg.dtype, ecfg.quantization,
-                    load_tokenizer(ecfg.model), ecfg.block_size, make_discovery(cfg.discovery),
-                    cfg.router.remotePrefillMinTokens, cfg.router.routing)
+    source = model_source(cfg)
+    router = Router(cfg.pool, cfg.model.name, source, cfg.model.dtype, cfg.model.quantization,
+                    load_tokenizer(source), cfg.engine.blockSize, make_discovery(cfg.discovery),
+                    cfg.router.remotePrefillMinTokens, cfg.router.routing,
+                    max_model_len=cfg.model.maxModelLen, max_request_bytes=args.max_request_bytes)
 
     async def on_signal(stop: asyncio.Event) -> None:
         stop.set()
@@ -104,6 +135,7 @@ def _serve(args) -> int:
     except (OSError, SpecError) as e:
         print(f"error: {args.config}: {e}", file=sys.stderr)
         return 2
+    exit_with_parent()
     main = _serve_router if args.role == "router" else _serve_worker
     asyncio.run(main(args, cfg))
     return 0
@@ -124,6 +156,8 @@ def add_serve_commands(sub) -> None:
                    help="prefill role: the KV transfer port (default: --port + 1; 0 picks a free one)")
     s.add_argument("--drain-timeout", type=float, default=120.0,
                    help="seconds SIGTERM waits for in-flight requests before exiting")
+    s.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                   help=f"the largest request body accepted; larger ones get 413 (default {DEFAULT_MAX_REQUEST_BYTES})")
     s.set_defaults(func=_serve)
 
     u = sub.add_parser("up", help="run an InferencePool manifest as local processes (the embedded default)")

@@ -6,12 +6,12 @@ import sys
 
 import pytest
 
-from tandem.worker.engine.block_hash import ROOT_HASH, block_hashes, fingerprint, hash_block
+from tandem.worker.api.block_hash import ROOT_HASH, block_hashes, fingerprint, hash_block
 from tandem.worker.engine.config import EngineConfig
 from tandem.worker.engine.detokenizer import IncrementalDetokenizer
 from tandem.worker.engine.llm_engine import LLMEngine
 from tandem.worker.engine.loader import ModelLoadError, load_model
-from tandem.worker.engine.sequence import InvalidRequestError
+from tandem.worker.api.errors import InvalidRequestError
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +125,7 @@ def test_block_hashes_are_stable_across_processes():
     assert len(hashes) == 6
     assert hashes[1] == hash_block(hashes[0], ids[16:32], fp)
     assert block_hashes(ids, 16, fp, start=3, parent=hashes[2]) == hashes[3:]
-    code = ("from tandem.worker.engine.block_hash import block_hashes, fingerprint;"
+    code = ("from tandem.worker.api.block_hash import block_hashes, fingerprint;"
             "print(block_hashes(list(range(100)), 16, fingerprint(model='m', dtype='float32'))[-1].hex())")
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert other.stdout.strip() == hashes[-1].hex()

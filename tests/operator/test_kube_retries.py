@@ -70,7 +70,8 @@ def test_retries_conflicts_5xx_and_dropped_connections():
 
 
 def test_gives_up_after_retries_and_does_not_retry_4xx():
-    m = MockApiServer({"/api/v1/namespaces/a/configmaps/x": [503] * 10, "/api/v1/namespaces/a/configmaps/y": [422]})
+    m = MockApiServer({"/api/v1/namespaces/a/configmaps/x": [503] * 10, "/api/v1/namespaces/a/configmaps/y": [422],
+                       "/api/v1/namespaces/a/configmaps/missing": [404, 404]})
     try:
         with pytest.raises(KubeError) as ei:
             m.kube(retries=3).get("/api/v1/namespaces/a/configmaps/x")
@@ -78,6 +79,8 @@ def test_gives_up_after_retries_and_does_not_retry_4xx():
         with pytest.raises(KubeError) as ei:
             m.kube().apply("/api/v1/namespaces/a/configmaps/y", {})
         assert ei.value.status == 422 and m.hits["/api/v1/namespaces/a/configmaps/y"] == 1
-        assert m.kube().get("/api/v1/namespaces/a/configmaps/missing") is not None  # 200 by default
+        # a GET of a missing object is None, at once: 404 is an answer, not an error to retry
+        assert m.kube().get("/api/v1/namespaces/a/configmaps/missing") is None
+        assert m.hits["/api/v1/namespaces/a/configmaps/missing"] == 1
     finally:
         m.close()

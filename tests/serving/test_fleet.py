@@ -7,21 +7,12 @@ import signal
 import pytest
 import requests
 
-from fleet_utils import MODEL, chat, metric, read_stream, start_fleet, start_worker, wait_for
+from fleet_utils import MODEL, chat, metric, read_stream, start_worker, urls, wait_for
 
 pytestmark = pytest.mark.timeout(900)
 QUESTION = "What is the capital of France?"
 
 
-@pytest.fixture(scope="module")
-def fleet():
-    f = start_fleet()
-    yield f
-    f.stop(grace=10)
-
-
-def urls(fleet, role):
-    return [p.url for p in fleet.procs if p.role == role]
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,7 @@
 process): the decoded output equals a local run, the decode worker computes no prompt token, and every
 failure path frees every block on both sides."""
 import asyncio
+import time
 
 import pytest
 
@@ -10,7 +11,7 @@ from tandem.worker.engine.config import EngineConfig
 from tandem.worker.engine.llm_engine import LLMEngine
 from tandem.worker.engine.sequence import SamplingParams
 from tandem.worker.transfer import remote_prefill
-from tandem.worker.transfer.protocol import TransferError
+from tandem.worker.transfer.protocol import HEADER, MAGIC, FrameType, TransferError, read_frame, write_frame
 from tandem.worker.transfer.tcp import KVTransferServer, pull_kv
 
 PARAMS = SamplingParams.parse({"temperature": 0, "max_tokens": 10, "ignore_eos": True})
@@ -155,15 +156,107 @@ def test_transfer_broken_mid_stream_frees_blocks_on_both_sides(tiny_llama):
     asyncio.run(main())
 
 
-def test_transfer_deadline(tiny_llama):
+def test_transfer_frame_timeout(tiny_llama):
     async def main():
         async def silent(reader, writer):   # accepts, then never answers
             await asyncio.sleep(5)
             writer.close()
         srv = await asyncio.start_server(silent, "127.0.0.1", 0)
         port = srv.sockets[0].getsockname()[1]
-        with pytest.raises(TransferError, match="broke|deadline"):
+        with pytest.raises(TransferError, match="broke"):
             await pull_kv("127.0.0.1", port, {"layout": {}, "prompt_token_ids": [1]},
                           lambda i, d: asyncio.sleep(0), frame_timeout=0.5)
         srv.close()
+    asyncio.run(main())
+
+
+def test_transfer_deadline_holds_against_a_peer_that_trickles_frames():
+    """A test double of a prefill worker sends an (empty) BLOCKS frame every 0.1 s, each well inside
+    the frame timeout, forever: only the whole-transfer deadline can end it."""
+    async def main():
+        async def trickle(reader, writer):
+            await read_frame(reader, max_payload=0)
+            write_frame(writer, FrameType.ACCEPT, {})
+            while True:
+                write_frame(writer, FrameType.BLOCKS, {"first_block": 0, "shape": [0], "dtype": "torch.float32"})
+                await writer.drain()
+                await asyncio.sleep(0.1)
+        srv = await asyncio.start_server(trickle, "127.0.0.1", 0)
+        port = srv.sockets[0].getsockname()[1]
+        t0 = time.monotonic()
+        with pytest.raises(TransferError, match="deadline"):
+            await pull_kv("127.0.0.1", port, {"layout": {}, "prompt_token_ids": [1]},
+                          lambda i, d: asyncio.sleep(0), frame_timeout=1.0, deadline=1.0)
+        assert time.monotonic() - t0 < 2.5
+        srv.close()
+    asyncio.run(main())
+
+
+def test_frame_lengths_from_the_peer_are_bounded_before_allocation():
+    """A test double of a prefill worker announces a 1 TiB payload: the decode side refuses the frame
+    by its header, without allocating, and says why."""
+    async def main():
+        async def liar(reader, writer):
+            await read_frame(reader, max_payload=0)
+            writer.write(HEADER.pack(MAGIC, int(FrameType.BLOCKS), 2, 2**40) + b"{}")
+            await writer.drain()
+            await asyncio.sleep(5)
+        srv = await asyncio.start_server(liar, "127.0.0.1", 0)
+        port = srv.sockets[0].getsockname()[1]
+        with pytest.raises(TransferError, match="frame too large"):
+            await pull_kv("127.0.0.1", port, {"layout": {}, "prompt_token_ids": [1]},
+                          lambda i, d: asyncio.sleep(0), frame_timeout=3, max_payload=1 << 20)
+        srv.close()
+    asyncio.run(main())
+
+
+def test_kv_server_frees_everything_when_add_request_fails_unexpectedly(tiny_llama):
+    """A HELLO whose prompt makes the engine raise something other than InvalidRequestError (a nested
+    list: TypeError) must leave no request queue and no sequence behind."""
+    async def main():
+        pe, _ = engines(tiny_llama)
+        pa = AsyncEngine(pe)
+        pa.start()
+        server = KVTransferServer(pa, pe.kv_layout())
+        port = await server.start("127.0.0.1", 0)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        write_frame(writer, FrameType.HELLO, {"layout": pe.kv_layout(), "prompt_token_ids": [[1], [2]],
+                                              "params": {"max_tokens": 1}})
+        await writer.drain()
+        assert await asyncio.wait_for(reader.read(), 10) == b""   # closed without an answer
+        for _ in range(50):
+            if server.active == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert server.active == 0 and pa.queues == {} and pe.seqs == {}
+        writer.close()
+        await server.stop()
+        pa.stop()
+    asyncio.run(main())
+
+
+def test_decode_leaving_mid_prefill_aborts_the_prefill_at_once(tiny_llama):
+    """The decode side connects, says HELLO, and leaves while the prefill worker is busy: the prefill
+    worker aborts at once (it watches for EOF), not at its next write."""
+    async def main():
+        pe, _ = engines(tiny_llama, max_num_batched_tokens=4)   # many chunks: a long prefill
+        pa = AsyncEngine(pe)
+        pa.start()
+        server = KVTransferServer(pa, pe.kv_layout())
+        port = await server.start("127.0.0.1", 0)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        write_frame(writer, FrameType.HELLO, {"layout": pe.kv_layout(), "prompt_token_ids": [i % 300 + 1 for i in range(480)],
+                                              "params": {"max_tokens": 1}})
+        await writer.drain()
+        assert (await read_frame(reader, max_payload=0))[0] == FrameType.ACCEPT
+        writer.close()
+        for _ in range(100):
+            if not pe.seqs and server.active == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert pe.seqs == {} and pe.block_manager.num_used == 0 and pa.queues == {}
+        assert pe.stats.aborts.get("running", 0) + pe.stats.aborts.get("queued", 0) == 1
+        pe.block_manager.check_invariant()
+        await server.stop()
+        pa.stop()
     asyncio.run(main())

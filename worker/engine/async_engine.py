@@ -8,6 +8,7 @@ asyncio queues.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import queue
@@ -86,7 +87,10 @@ class AsyncEngine:
         except BaseException as e:
             log.exception("engine thread died")
             self.error = e
-            self.loop.call_soon_threadsafe(self._fail_all, e)
+        else:
+            self.error = EngineDead("engine stopped")
+        if not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self._fail_all, self.error)
 
     # ---- event loop -------------------------------------------------------------------------
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
@@ -96,8 +100,19 @@ class AsyncEngine:
                 q.put_nowait(out)
 
     def _fail_all(self, e: BaseException) -> None:
+        """The engine thread is gone: every request's stream and every pending :meth:`call` fails now.
+
+        Runs on the event loop. ``error`` was set before this was scheduled, so a ``call`` made after
+        this point raises at once, and one made before has its command in the queue, drained here."""
+        dead = _dead(e)
         for q in self.queues.values():
-            q.put_nowait(EngineDead(f"engine stopped: {e!r}"))
+            q.put_nowait(dead)
+        while True:
+            try:
+                _, fut = self.commands.get_nowait()
+            except queue.Empty:
+                break
+            _set_exc(fut, dead)
 
     def post(self, request_id: str, item) -> None:
         """Thread-safe: put ``item`` on a request's queue (used by KV sinks on the engine thread)."""
@@ -110,13 +125,33 @@ class AsyncEngine:
 
     async def call(self, fn: Callable, *args, **kwargs):
         """Run ``fn(*args, **kwargs)`` on the engine thread between steps; return its result or raise
-        its exception."""
+        its exception. Raises EngineDead when the engine thread is gone (also while waiting).
+
+        Cancelling the caller does not withdraw the command: ``fn`` still runs (commands run in the
+        order they were made, so an abort made after an add undoes it)."""
         if self.error is not None:
-            raise EngineDead(f"engine stopped: {self.error!r}")
+            raise _dead(self.error)
         fut = self.loop.create_future()
         self.commands.put((lambda: fn(*args, **kwargs), fut))
         self.wake.set()
         return await fut
+
+    @contextlib.asynccontextmanager
+    async def request(self, request_id: str) -> AsyncIterator["RequestHandle"]:
+        """Own ``request_id`` for the body of an ``async with``: its output queue is open, and however
+        the body ends (finished, refused, an error, cancellation, a client gone), the request is
+        aborted on the engine thread, freeing its KV blocks, unless it finished or was never added.
+
+        The body adds the request with :meth:`RequestHandle.add` and reads :meth:`RequestHandle.outputs`.
+        """
+        h = RequestHandle(self, request_id, self.open(request_id))
+        try:
+            yield h
+        finally:
+            self.close(request_id)
+            if h.live and self.error is None:
+                # shielded: the abort is queued even when the caller was cancelled
+                await asyncio.shield(self.call(self.engine.abort, request_id))
 
     def open(self, request_id: str) -> asyncio.Queue:
         """Register (before adding the request) the queue a request's outputs will arrive on."""
@@ -127,37 +162,55 @@ class AsyncEngine:
     def close(self, request_id: str) -> None:
         self.queues.pop(request_id, None)
 
-    async def stream(self, request_id: str, q: asyncio.Queue) -> AsyncIterator:
-        """Yield what arrives for ``request_id`` until its finished output. Leaving early (client gone,
-        task cancelled) aborts the request, which frees its KV blocks."""
-        finished = False
-        try:
-            while True:
-                item = await q.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if isinstance(item, RequestOutput) and item.finished:
-                    finished = True
-                    return
-        finally:
-            self.close(request_id)
-            if not finished and self.error is None:
-                # shielded: runs even when the caller was cancelled
-                await asyncio.shield(self.call(self.engine.abort, request_id))
-
     async def generate(self, request_id: str, prompt_token_ids: list[int], params,
                        **kwargs) -> AsyncIterator[RequestOutput]:
-        """Add a request and yield its outputs. Raises InvalidRequestError before the first output."""
-        q = self.open(request_id)
+        """Add a request and yield its outputs. Raises InvalidRequestError before the first output.
+
+        Close the generator (``contextlib.aclosing``) when leaving it early: that is what aborts."""
+        async with self.request(request_id) as h:
+            await h.add(self.engine.add_request, request_id, prompt_token_ids=prompt_token_ids,
+                        params=params, **kwargs)
+            async for out in h.outputs():
+                yield out
+
+
+class RequestHandle:
+    """One request's place on the event loop: its output queue and whether the engine may hold it."""
+
+    def __init__(self, aengine: AsyncEngine, request_id: str, q: asyncio.Queue):
+        self.aengine, self.request_id, self.q = aengine, request_id, q
+        self.live = False       # the engine may hold the request: leaving must abort it
+
+    async def add(self, fn: Callable, *args, **kwargs):
+        """Run an adding call (``add_request``, ``add_remote_request``) on the engine thread.
+
+        If the caller is cancelled while waiting, the add still happens, so the handle counts the
+        request as live from before the call; it is not live only when ``fn`` itself raised."""
+        self.live = True
         try:
-            await self.call(self.engine.add_request, request_id, prompt_token_ids=prompt_token_ids,
-                            params=params, **kwargs)
-        except BaseException:
-            self.close(request_id)
+            return await self.aengine.call(fn, *args, **kwargs)
+        except asyncio.CancelledError:
             raise
-        async for out in self.stream(request_id, q):
-            yield out
+        except BaseException:
+            self.live = False
+            raise
+
+    async def outputs(self) -> AsyncIterator:
+        """What arrives for the request (RequestOutputs, and KV items on a prefill worker) until its
+        finished output. Raises EngineDead when the engine stops."""
+        while True:
+            item = await self.q.get()
+            if isinstance(item, BaseException):
+                raise item
+            if isinstance(item, RequestOutput) and item.finished:
+                self.live = False
+                yield item
+                return
+            yield item
+
+
+def _dead(e: BaseException) -> EngineDead:
+    return e if isinstance(e, EngineDead) else EngineDead(f"engine stopped: {e!r}")
 
 
 def _set_result(fut: asyncio.Future, res) -> None:

@@ -1,7 +1,7 @@
 """KV block allocation with automatic prefix caching.
 
 Blocks are reference-counted. A block whose KV covers a full block of tokens is registered under
-its chained hash (:mod:`tandem.worker.engine.block_hash`). When its last user frees it, a registered
+its chained hash (:mod:`tandem.worker.api.block_hash`). When its last user frees it, a registered
 block is not cleared: it waits in an LRU queue, still findable by hash, until a new allocation
 evicts it. This is vLLM's automatic prefix caching (Kwon et al., SOSP 2023; vLLM v1's KV cache
 manager). Invariant, checked by :meth:`BlockManager.check_invariant`:
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 
-from tandem.worker.engine.block_hash import ROOT_HASH, block_hashes
+from tandem.worker.api.block_hash import ROOT_HASH, block_hashes
 from tandem.worker.engine.sequence import Sequence
 
 

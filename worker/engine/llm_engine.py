@@ -19,11 +19,12 @@ from typing import Callable
 
 import torch
 
-from tandem.worker.engine.block_hash import fingerprint
+from tandem.worker.api.block_hash import fingerprint
 from tandem.worker.engine.block_manager import BlockManager
 from tandem.worker.engine.config import EngineConfig
 from tandem.worker.engine.detokenizer import IncrementalDetokenizer
-from tandem.worker.engine.loader import LoadedModel, chat_token_ids, load_model
+from tandem.worker.api.openai import chat_token_ids
+from tandem.worker.engine.loader import LoadedModel, load_model
 from tandem.worker.engine.model_runner import ModelRunner
 from tandem.worker.engine.sampler import SampleResult, sample
 from tandem.worker.engine.scheduler import Scheduler
@@ -62,6 +63,8 @@ class EngineStats:
     num_steps: int = 0
     num_prefill_steps: int = 0
     local_prefill_fallbacks: int = 0
+    #: aborted requests by the state they were in: queued, awaiting_kv, receiving_kv, running
+    aborts: dict[str, int] = field(default_factory=dict)
 
 
 class LLMEngine:
@@ -88,6 +91,14 @@ class LLMEngine:
         self.fingerprint = fingerprint(model=config.model, dtype=config.dtype,
                                        quantization=config.quantization)
         self.runner = ModelRunner(config, loaded, self.max_model_len)
+        capacity = self.runner.num_blocks * config.block_size
+        if capacity < self.max_model_len:
+            # A longer sequence could never hold all its blocks at once: cap the context by the cache,
+            # so the limit a client is told, and a missing max_tokens, do not depend on load.
+            log.warning("maxModelLen %d capped to %d tokens: the KV cache holds %d blocks of %d tokens",
+                        self.max_model_len, capacity, self.runner.num_blocks, config.block_size)
+            self.max_model_len = capacity
+        log.info("max_model_len %d tokens (KV cache capacity %d tokens)", self.max_model_len, capacity)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size,
                                           config.enable_prefix_caching, self.fingerprint)
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
@@ -118,10 +129,6 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
             raise InvalidRequestError("prompt", f"token ids must be in [0, {vocab})")
-        capacity = self.runner.num_blocks * self.config.block_size
-        if n + params.max_tokens > capacity:
-            raise InvalidRequestError("max_tokens", f"prompt + max_tokens = {n + params.max_tokens} "
-                                      f"exceeds the KV cache of this worker ({capacity} tokens)")
 
     def _new_seq(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
                  params) -> Sequence:
@@ -161,6 +168,10 @@ class LLMEngine:
         """Stop a request wherever it is and free its blocks (a no-op for an unknown id)."""
         seq = self.seqs.get(request_id)
         if seq is not None:
+            state = {SeqStatus.WAITING: "queued", SeqStatus.RUNNING: "running",
+                     SeqStatus.WAITING_REMOTE: "receiving_kv" if seq.kv_received else "awaiting_kv"
+                     }.get(seq.status, seq.status.value)
+            self.stats.aborts[state] = self.stats.aborts.get(state, 0) + 1
             self._finish(seq, "abort")
             self._forget(seq)
 
@@ -187,6 +198,7 @@ class LLMEngine:
         """Write received KV blocks ``[layers, 2, n, block_size, Hk, D]`` at the request's block
         indices ``first_block_index ..``. Raises KeyError for a request not waiting for KV."""
         seq = self.scheduler.remote[request_id]
+        seq.kv_received = True
         n = data.shape[2]
         self.runner.write_blocks(seq.block_table[first_block_index:first_block_index + n], data)
 
@@ -198,8 +210,7 @@ class LLMEngine:
         seq.num_computed_tokens = len(seq.prompt_token_ids)
         seq.num_cached_tokens = 0
         self.block_manager.register_computed(seq)
-        seq.status = SeqStatus.RUNNING
-        self.scheduler.running.append(seq)
+        self.scheduler.add_prefilled(seq)
         seq.first_scheduled_time = seq.first_scheduled_time or time.monotonic()
         out = self._append_token(seq, logprob or SampleResult(first_token_id))
         if out.finished:

@@ -116,18 +116,6 @@ def load_tokenizer(source: str):
         raise ModelLoadError(f"{path}: cannot load tokenizer: {type(e).__name__}: {e}") from e
 
 
-def chat_token_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """Token ids of ``messages`` under the model's chat template, with the generation prompt.
-
-    Raises InvalidRequestError (field ``messages``) when the template rejects them."""
-    from tandem.worker.engine.sequence import InvalidRequestError
-    try:
-        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                  return_dict=False))
-    except Exception as e:
-        raise InvalidRequestError("messages", f"cannot apply the chat template: {e}") from None
-
-
 def _eos_ids(tokenizer, extra) -> list[int]:
     ids = set(i for i in (extra if isinstance(extra, list) else [extra]) if i is not None)
     if getattr(tokenizer, "eos_token_id", None) is not None:

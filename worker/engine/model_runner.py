@@ -35,6 +35,7 @@ class ModelRunner:
         c = loaded.config
         self.model = LlamaModel(c, loaded.weights, self.ops, self.dtype, self.device, max_model_len,
                                 config.quantization)
+        self.block_bytes = kv_block_bytes(loaded, config)   # one block, every layer, K and V
         self.num_blocks = self._num_blocks(loaded)
         self.kv_cache = torch.zeros(c.num_layers, 2, self.num_blocks, config.block_size,
                                     c.num_kv_heads, c.head_dim, dtype=self.dtype, device=self.device)
@@ -50,7 +51,7 @@ class ModelRunner:
 
     def _num_blocks(self, loaded: LoadedModel) -> int:
         cfg = self.config
-        per_block = kv_block_bytes(loaded, cfg)
+        per_block = self.block_bytes
         if cfg.num_kv_blocks:
             return cfg.num_kv_blocks
         if self.device.startswith("cuda"):

@@ -49,6 +49,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.remote: dict[str, Sequence] = {}   # WAITING_REMOTE, blocks held
+        # KV arrived from a prefill worker while the batch was full (max_num_seqs): blocks held,
+        # first token sampled, joining the running batch as soon as there is room
+        self.handed_over: deque[Sequence] = deque()
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
@@ -56,7 +59,20 @@ class Scheduler:
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.handed_over)
+
+    def add_prefilled(self, seq: Sequence) -> None:
+        """A sequence whose prompt KV is in place (a remote prefill): it joins the running batch now,
+        or when the batch has room."""
+        seq.status = SeqStatus.RUNNING
+        if len(self.running) < self.max_num_seqs:
+            self.running.append(seq)
+        else:
+            self.handed_over.append(seq)
+
+    def num_waiting(self) -> int:
+        """Sequences not running: queued for prefill, awaiting remote KV, or handed over."""
+        return len(self.waiting) + len(self.remote) + len(self.handed_over)
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         self.running.remove(seq)
@@ -73,6 +89,8 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.budget
         scheduled: set[str] = set()
+        while self.handed_over and len(self.running) < self.max_num_seqs:
+            self.running.append(self.handed_over.popleft())
         # Running sequences, decodes before chunks in flight, oldest first.
         for seq in sorted(self.running, key=lambda s: (s.in_prefill, s.arrival_time)):
             if budget == 0:
@@ -109,6 +127,8 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        elif seq in self.handed_over:
+            self.handed_over.remove(seq)
         self.remote.pop(seq.request_id, None)
         self.bm.free_seq(seq)
         seq.status = SeqStatus.FINISHED

@@ -9,15 +9,9 @@ from typing import Callable
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from tandem.worker.api.errors import InvalidRequestError
+
 log = logging.getLogger(__name__)
-
-
-class InvalidRequestError(ValueError):
-    """A request the engine refuses; ``field`` names the offending field, ``message`` says why."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}" if field else message)
-        self.field, self.message = field, message
 
 
 class SamplingParams(BaseModel):
@@ -95,6 +89,7 @@ class Sequence:
     logits: list = field(default_factory=list)
     kv_sink: Callable | None = None      # prefill role: receives KV blocks as they complete
     num_blocks_sent: int = 0
+    kv_received: bool = False            # decode role: some of the prompt's KV arrived from the peer
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     stop_after_first_token: bool = False  # prefill role: one token, then hand over

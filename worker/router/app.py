@@ -17,12 +17,13 @@ import time
 import aiohttp
 from aiohttp import web
 
-from tandem.worker.engine.block_hash import block_hashes, fingerprint
-from tandem.worker.engine.sequence import InvalidRequestError
+from tandem.worker.api.block_hash import block_hashes, fingerprint
+from tandem.worker.api.errors import InvalidRequestError
+from tandem.worker.api.http import (DEFAULT_MAX_REQUEST_BYTES, PREFILL_PEER_HEADER, TTFT_HEADER, json_error,
+                                    openai_app)
+from tandem.worker.api.openai import max_prompt_chars, read_request_async
 from tandem.worker.router.policy import WorkerState, decide
-from tandem.worker.server.app import PREFILL_PEER_HEADER, TTFT_HEADER, json_error, openai_app
 from tandem.worker.server.metrics import Metrics, TokenTimer
-from tandem.worker.server.openai import read_request
 
 log = logging.getLogger(__name__)
 
@@ -44,12 +45,18 @@ class Router:
         remote_prefill_min_tokens, routing: the spec's router section.
         health_interval: seconds between worker health polls.
         queue_timeout: seconds a request waits for a ready decode worker before a 503.
+        max_model_len: the pool's context length in tokens, when the spec sets it: longer prompts are
+            refused by their length in characters before tokenizing (the workers check tokens).
+        max_request_bytes: the largest request body accepted (413 above it).
     """
 
     def __init__(self, pool: str, model_name: str, model_source: str, dtype: str, quantization: str,
                  tokenizer, block_size: int, discovery, remote_prefill_min_tokens: int = 256,
-                 routing: str = "prefix-affinity", health_interval: float = 1.0, queue_timeout: float = 30.0):
+                 routing: str = "prefix-affinity", health_interval: float = 1.0, queue_timeout: float = 30.0,
+                 max_model_len: int | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES):
         self.model_name, self.tok, self.block_size = model_name, tokenizer, block_size
+        self.char_limit = max_prompt_chars(tokenizer, max_model_len) if max_model_len else None
+        self.max_request_bytes = max_request_bytes
         self.fingerprint = fingerprint(model=model_source, dtype=dtype, quantization=quantization)
         self.discovery = discovery
         self.remote_min, self.routing = remote_prefill_min_tokens, routing
@@ -63,7 +70,7 @@ class Router:
         self.queued = 0
 
     def app(self) -> web.Application:
-        return openai_app(self)
+        return openai_app(self, self.max_request_bytes)
 
     async def _startup(self, app) -> None:
         self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=3))
@@ -148,19 +155,25 @@ class Router:
 
     async def _route(self, request: web.Request, path: str, chat: bool) -> web.StreamResponse:
         t0 = time.monotonic()
-        raw = await request.read()
-        try:
-            req, ids = read_request(raw, chat, self.model_name, self.tok)
-        except InvalidRequestError as e:
-            return json_error(str(e), getattr(e, "status", 400), e.field)
-        hashes = block_hashes(ids, self.block_size, self.fingerprint)
-        tried: set[str] = set()   # decode workers that failed this request
-
-        def decide_fn():
-            return decide(self._states(self.discovery.decode_urls()), self._states(self.discovery.prefill_urls()),
-                          len(ids), hashes, self.remote_min, self.routing, tried, self._rr)
         self.in_flight += 1
         try:
+            raw = await request.read()
+            try:
+                req, ids = await read_request_async(raw, chat, self.model_name, self.tok, self.char_limit)
+            except InvalidRequestError as e:
+                return json_error(str(e), e.status, e.field)
+            hashes = block_hashes(ids, self.block_size, self.fingerprint)
+            tried: set[str] = set()   # decode workers that failed this request
+            client_usage = req.include_usage
+            if req.stream and not client_usage:
+                # TPOT needs the output token count, which only the usage chunk carries: ask for it,
+                # and keep it from a client that did not
+                raw = json.dumps({**json.loads(raw), "stream_options": {"include_usage": True}}).encode()
+
+            def decide_fn():
+                return decide(self._states(self.discovery.decode_urls()),
+                              self._states(self.discovery.prefill_urls()),
+                              len(ids), hashes, self.remote_min, self.routing, tried, self._rr)
             while True:
                 d = await self._wait_for_decode(decide_fn)
                 if d is None:
@@ -189,7 +202,7 @@ class Router:
                         if d.prefill:
                             d.prefill.remember(hashes)
                     if req.stream and upstream.status == 200:
-                        return await self._relay_stream(request, upstream, t0)
+                        return await self._relay_stream(request, upstream, t0, client_usage)
                     return await self._relay_full(upstream, t0, t_send)
         finally:
             self.in_flight -= 1
@@ -212,27 +225,38 @@ class Router:
                                              int(usage.get("completion_tokens", 0)))
             return resp
 
-    async def _relay_stream(self, request, upstream: aiohttp.ClientResponse, t0: float) -> web.StreamResponse:
+    async def _relay_stream(self, request, upstream: aiohttp.ClientResponse, t0: float,
+                            client_usage: bool) -> web.StreamResponse:
         resp = web.StreamResponse(status=upstream.status, headers={
             k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS})
         await resp.prepare(request)
-        timer, buf = TokenTimer(t0), b""
+        timer, buf, num_tokens = TokenTimer(t0), b"", 0
         async with upstream:
             try:
                 async for chunk in upstream.content.iter_any():
-                    await resp.write(chunk)
                     buf += chunk
                     *events, buf = buf.split(b"\n\n")
+                    out = []
                     for ev in events:
-                        if _has_token_text(ev):
+                        obj = _event_json(ev)
+                        if obj is not None and "usage" in obj and not obj.get("choices"):
+                            num_tokens = int((obj["usage"] or {}).get("completion_tokens", 0))
+                            if not client_usage:
+                                continue
+                        if obj is not None and _has_token_text(obj):
                             timer.tick()
+                        out.append(ev + b"\n\n")
+                    if out:
+                        await resp.write(b"".join(out))
             except (ConnectionResetError, aiohttp.ClientConnectionResetError):
                 log.info("client went away mid-stream")   # leaving closes upstream; the worker aborts
                 return resp
             except aiohttp.ClientPayloadError as e:
                 log.warning("decode worker broke the stream: %r", e)
                 return resp
-        self.metrics.observe_request(timer.ttft, time.monotonic() - t0, timer.tokens, timer.itls)
+        if buf:
+            await resp.write(buf)
+        self.metrics.observe_request(timer.ttft, time.monotonic() - t0, num_tokens, timer.itls)
         await resp.write_eof()
         return resp
 
@@ -250,15 +274,20 @@ def _load(d):
             w.in_flight -= 1
 
 
-def _has_token_text(event: bytes) -> bool:
-    """Does one SSE event carry token text (not the role-only first chunk, not [DONE], not usage)?"""
+def _event_json(event: bytes) -> dict | None:
+    """The JSON object of one SSE ``data:`` event; None for [DONE] and anything else."""
     if not event.startswith(b"data: ") or event.startswith(b"data: [DONE]"):
-        return False
+        return None
     try:
-        choices = json.loads(event[6:]).get("choices") or []
+        obj = json.loads(event[6:])
     except ValueError:
-        return False
-    for c in choices:
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+def _has_token_text(obj: dict) -> bool:
+    """Does one chunk carry token text (not the role-only first chunk, not usage)?"""
+    for c in obj.get("choices") or []:
         if c.get("text") or (c.get("delta") or {}).get("content"):
             return True
     return False

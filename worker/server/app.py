@@ -6,6 +6,7 @@ prefill peer (header ``X-Tandem-Prefill-Peer``), in which case the prompt's KV i
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -13,49 +14,18 @@ import time
 import aiohttp
 from aiohttp import web
 
+from tandem.worker.api.errors import InvalidRequestError, error_body
+from tandem.worker.api.http import (DEFAULT_MAX_REQUEST_BYTES, PREFILL_PEER_HEADER, TTFT_HEADER, json_error,
+                                    openai_app)
+from tandem.worker.api.openai import max_prompt_chars, read_request_async
 from tandem.worker.engine.async_engine import AsyncEngine, EngineDead
-from tandem.worker.engine.sequence import InvalidRequestError, SamplingParams
+from tandem.worker.engine.sequence import SamplingParams
 from tandem.worker.server.metrics import Metrics, TokenTimer
-from tandem.worker.server.openai import ResponseBuilder, error_body, read_request
+from tandem.worker.server.responses import ResponseBuilder
 from tandem.worker.transfer import remote_prefill
 from tandem.worker.transfer.tcp import KVTransferServer
 
 log = logging.getLogger(__name__)
-
-PREFILL_PEER_HEADER = "X-Tandem-Prefill-Peer"
-TTFT_HEADER = "X-Tandem-TTFT-Seconds"
-
-
-@web.middleware
-async def json_errors(request: web.Request, handler):
-    """aiohttp's own errors (unknown path 404, wrong method 405, body too large 413) as OpenAI JSON."""
-    try:
-        return await handler(request)
-    except web.HTTPException as e:
-        if e.status < 400:
-            raise
-        return json_error(f"{e.reason}: {request.method} {request.path}", e.status)
-
-
-def openai_app(h) -> web.Application:
-    """The routes the router and every worker share, served by ``h``'s handlers of the same names."""
-    app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[json_errors])
-    app.router.add_post("/v1/completions", h.completions)
-    app.router.add_post("/v1/chat/completions", h.chat_completions)
-    app.router.add_get("/v1/models", h.models)
-    app.router.add_get("/health", h.health)
-    app.router.add_get("/ready", h.ready)
-    app.router.add_get("/metrics", h.metrics_route)
-    app.on_startup.append(h._startup)
-    app.on_cleanup.append(h._cleanup)
-    return app
-
-
-def json_error(message: str, status: int, param: str | None = None) -> web.Response:
-    etype = "invalid_request_error" if status < 500 else "server_error"
-    if status == 404:
-        etype = "not_found_error"
-    return web.json_response(error_body(message, status, param, etype), status=status)
 
 
 class WorkerServer:
@@ -68,13 +38,16 @@ class WorkerServer:
         model_name: the OpenAI model name served.
         kv_server: the KV transfer server (prefill role), else None.
         transfer_deadline: seconds a remote prefill may take before decode prefills locally.
+        max_request_bytes: the largest request body accepted (413 above it).
     """
 
     def __init__(self, role: str, aengine: AsyncEngine, pool: str, model_name: str,
                  kv_server: KVTransferServer | None = None, kv_port: int | None = None,
-                 transfer_deadline: float = 120.0):
+                 transfer_deadline: float = 120.0, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES):
         self.role, self.aengine, self.model_name = role, aengine, model_name
         self.engine = aengine.engine
+        self.max_request_bytes = max_request_bytes
+        self.char_limit = max_prompt_chars(self.engine.tokenizer, self.engine.max_model_len)
         self.metrics = Metrics(role, pool, self.engine)
         self.kv_server, self.kv_port = kv_server, kv_port
         self.transfer_deadline = transfer_deadline
@@ -90,7 +63,7 @@ class WorkerServer:
         self.metrics.kv_transfer_seconds.observe(seconds)
 
     def app(self) -> web.Application:
-        app = openai_app(self)
+        app = openai_app(self, self.max_request_bytes)
         app.router.add_post("/drain", self.drain)
         app.router.add_get("/drain", self.drain_status)
         return app
@@ -114,7 +87,9 @@ class WorkerServer:
             "status": "ok" if ok else "engine_dead", "role": self.role, "model": self.model_name,
             "kv_port": self.kv_port, "num_blocks": bm.num_blocks, "free_blocks": bm.num_free_blocks,
             "kv_cache_usage": bm.usage(), "in_flight": self.pending(), "draining": self.draining,
+            "num_requests": len(self.engine.seqs),
             "block_size": self.engine.config.block_size, "max_model_len": self.engine.max_model_len,
+            "kv_capacity_tokens": bm.num_blocks * self.engine.config.block_size,
         }, status=200 if ok else 500)
 
     async def ready(self, request: web.Request) -> web.Response:
@@ -157,80 +132,105 @@ class WorkerServer:
 
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
         t0 = time.monotonic()
-        if self.draining:
-            return json_error("worker is draining", 503)
+        self.in_flight += 1   # from arrival: a drain must wait for a request still being read
         try:
-            req, ids = read_request(await request.read(), chat, self.model_name, self.engine.tokenizer)
-            params = SamplingParams.parse(req.sampling(self.engine.max_model_len, len(ids)))
-        except InvalidRequestError as e:
-            return json_error(str(e), getattr(e, "status", 400), e.field)
-        rid = self.aengine.new_request_id("chat" if chat else "cmpl")
-        peer = request.headers.get(PREFILL_PEER_HEADER) if self.role == "decode" else None
-        self.in_flight += 1
-        try:
+            if self.draining:
+                return json_error("worker is draining", 503)
+            try:
+                req, ids = await read_request_async(await request.read(), chat, self.model_name,
+                                                    self.engine.tokenizer, self.char_limit)
+                params = SamplingParams.parse(req.sampling(self.engine.max_model_len, len(ids)))
+            except InvalidRequestError as e:
+                return json_error(str(e), e.status, e.field)
+            rid = self.aengine.new_request_id("chat" if chat else "cmpl")
+            peer = request.headers.get(PREFILL_PEER_HEADER) if self.role == "decode" else None
             gen = remote_prefill.generate(self.aengine, rid, ids, params, peer, self.peers, self.metrics,
                                           deadline=self.transfer_deadline)
-            builder = ResponseBuilder(chat, self.model_name, self.engine.tokenizer, len(ids))
+            # aclosing: however this handler ends (finished, client gone, cancelled), the generator
+            # is closed here and now, which aborts the request and frees its blocks
+            ended = False   # finished, or refused before it was admitted; anything else is an abort
             try:
-                first = await gen.__anext__()
-            except InvalidRequestError as e:
-                if chat and e.field == "prompt":   # a chat request has no prompt field: name messages
-                    e = InvalidRequestError("messages", e.message)
-                return json_error(str(e), 400, e.field)
-            except EngineDead as e:
-                return json_error(str(e), 500)
-            if req.stream:
-                return await self._stream(request, req, builder, first, gen, t0)
-            return await self._collect(builder, first, gen, t0)
+                async with contextlib.aclosing(gen):
+                    try:
+                        first = await gen.__anext__()
+                    except InvalidRequestError as e:
+                        ended = True
+                        if chat and e.field == "prompt":   # a chat request has no prompt field: name messages
+                            e = InvalidRequestError("messages", e.message)
+                        return json_error(str(e), 400, e.field)
+                    except EngineDead as e:
+                        return json_error(str(e), 500)
+                    builder = ResponseBuilder(chat, self.model_name, self.engine.tokenizer, len(ids))
+                    timer = TokenTimer(t0)
+                    if req.stream:
+                        resp, last = await self._stream(request, req, builder, first, gen, timer)
+                    else:
+                        resp, last = await self._collect(builder, first, gen, timer)
+                    if last is not None:
+                        ended = True
+                        self._finished(last, t0, timer, first)
+                    return resp
+            finally:
+                if not ended:
+                    self._count("abort")
         finally:
             self.in_flight -= 1
 
-    async def _collect(self, builder, first, gen, t0) -> web.Response:
-        ttft = time.monotonic() - t0
-        text, samples, out = first.new_text, list(first.logprobs), first
-        async for out in gen:
-            text += out.new_text
-            samples += out.logprobs
-        self._finished(out, t0, ttft, [], first)
+    async def _collect(self, builder, first, gen, timer):
+        """The whole answer as one JSON body; returns ``(response, last output)``."""
+        samples, out = [], first
+        async with contextlib.aclosing(_chain(first, gen)) as outs:
+            async for out in outs:
+                if out.new_text:
+                    timer.tick()
+                samples += out.logprobs
         resp = web.json_response(builder.full(out.text, out.finish_reason, out.num_output_tokens, samples))
-        resp.headers[TTFT_HEADER] = f"{ttft:.6f}"
-        return resp
+        if timer.ttft is not None:
+            resp.headers[TTFT_HEADER] = f"{timer.ttft:.6f}"
+        return resp, out
 
-    async def _stream(self, request, req, builder, first, gen, t0) -> web.StreamResponse:
+    async def _stream(self, request, req, builder, first, gen, timer):
+        """The answer as server-sent events; returns ``(response, last output)``, or ``(response, None)``
+        when the client left or the engine died mid-stream."""
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
-        if builder.chat:
-            await resp.write(builder.role_chunk())
-        timer, out = TokenTimer(t0), first
+        out = first
         try:
-            async for out in _chain(first, gen):
-                timer.tick()
-                if out.new_text or out.finished or out.logprobs:
-                    await resp.write(builder.delta_chunk(out.new_text, out.finish_reason, out.logprobs))
+            if builder.chat:
+                await resp.write(builder.role_chunk())
+            async with contextlib.aclosing(_chain(first, gen)) as outs:
+                async for out in outs:
+                    if out.new_text:
+                        timer.tick()
+                    if out.new_text or out.finished or out.logprobs:
+                        await resp.write(builder.delta_chunk(out.new_text, out.finish_reason, out.logprobs))
             if req.include_usage:
                 await resp.write(builder.usage_chunk(out.num_output_tokens))
             await resp.write(builder.DONE)
+            await resp.write_eof()
         except (ConnectionResetError, aiohttp.ClientConnectionResetError):
             log.info("client went away mid-stream; request aborted")
-            await gen.aclose()
-            return resp
+            return resp, None
         except EngineDead as e:
-            await resp.write(b"data: " + json.dumps(error_body(str(e), 500, None, "server_error")).encode()
-                             + b"\n\n")
-            return resp
-        self._finished(out, t0, timer.ttft, timer.itls, first)
-        await resp.write_eof()
-        return resp
+            with contextlib.suppress(ConnectionResetError, aiohttp.ClientConnectionResetError):
+                await resp.write(b"data: " + json.dumps(error_body(str(e), 500, None, "server_error")).encode()
+                                 + b"\n\n")
+            return resp, None
+        return resp, out
 
-    def _finished(self, out, t0, ttft, itls, first) -> None:
-        self.metrics.observe_request(ttft, time.monotonic() - t0, out.num_output_tokens, itls)
+    def _count(self, reason: str) -> None:
+        self.metrics.requests.labels(**self.metrics.labels, finished_reason=reason).inc()
+
+    def _finished(self, out, t0, timer, first) -> None:
+        self.metrics.observe_request(timer.ttft, time.monotonic() - t0, out.num_output_tokens, timer.itls)
         if first.queue_time is not None:
             self.metrics.queue_time.observe(first.queue_time)
             self.metrics.prefill_time.observe(first.prefill_time)
-        self.metrics.requests.labels(**self.metrics.labels, finished_reason=out.finish_reason).inc()
+        self._count(out.finish_reason)
 
 
 async def _chain(first, gen):
+    """``first``, then the rest of ``gen`` (not closed here: the caller owns ``gen``)."""
     yield first
     async for out in gen:
         yield out

@@ -57,6 +57,15 @@ class Metrics:
                                    "a ready worker.", names, registry=r).labels(**self.labels)
         self.in_flight = Gauge("tandem:requests_in_flight", "Requests this process is serving.", names,
                                registry=r).labels(**self.labels)
+        # every known label value from the start, at 0: a series that appears only on its first event
+        # cannot be told apart from one that is not exported at all
+        for direction in ("sent", "received"):
+            self.kv_transfer_bytes.labels(**self.labels, direction=direction)
+        for reason in ("stop", "length", "abort"):
+            self.requests.labels(**self.labels, finished_reason=reason)
+        if role == "router":
+            for decision in ("remote", "short_prompt", "decode_cached", "no_prefill_worker"):
+                self.routing.labels(**self.labels, decision=decision)
         if engine is not None:
             r.register(_EngineCollector(engine, self.labels))
 
@@ -120,8 +129,13 @@ class _EngineCollector:
         yield counter("tandem:preemptions", "Sequences preempted (to be recomputed).", e.scheduler.num_preemptions)
         yield counter("tandem:local_prefill_fallbacks", "Remote prefills given up for a local prefill.",
                       st.local_prefill_fallbacks)
+        aborts = CounterMetricFamily("tandem:request_aborts", "Requests aborted (client gone, transfer or "
+                                     "engine failure), by the state they were in.", labels=names + ["state"])
+        for state in ("queued", "awaiting_kv", "receiving_kv", "running"):
+            aborts.add_metric(values + [state], st.aborts.get(state, 0))
+        yield aborts
         yield gauge("tandem:num_requests_running", "Sequences in the running batch.", len(e.scheduler.running))
         yield gauge("tandem:num_requests_waiting", "Sequences queued (or awaiting remote KV).",
-                    len(e.scheduler.waiting) + len(e.scheduler.remote))
+                    e.scheduler.num_waiting())
         yield gauge("tandem:kv_cache_usage_perc", "Fraction of KV blocks held by requests (0..1).", bm.usage())
         yield gauge("tandem:kv_cache_free_blocks", "KV blocks free or cached-free.", bm.num_free_blocks)

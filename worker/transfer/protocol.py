@@ -54,17 +54,24 @@ def write_frame(writer, ftype: FrameType, meta: dict, payload: bytes | memoryvie
         writer.write(payload)
 
 
-def parse_header(raw: bytes | bytearray) -> tuple[int, int, int]:
-    """``(frame type, json length, payload length)`` of a frame header; TransferError if it is not one."""
+def parse_header(raw: bytes | bytearray, max_payload: int) -> tuple[int, int, int]:
+    """``(frame type, json length, payload length)`` of a frame header.
+
+    Raises TransferError if it is not one, or if its lengths pass ``MAX_JSON`` or ``max_payload``
+    bytes (the lengths come from the peer: nothing is allocated for them before this check)."""
     magic, ftype, jlen, plen = HEADER.unpack(raw)
-    if magic != MAGIC or jlen > MAX_JSON:
+    if magic != MAGIC:
         raise TransferError(f"bad frame header {magic!r}")
+    if jlen > MAX_JSON or plen > max_payload:
+        raise TransferError(f"frame too large: {jlen} bytes of JSON (limit {MAX_JSON}), {plen} of payload "
+                            f"(limit {max_payload})")
     return ftype, jlen, plen
 
 
-async def read_frame(reader: asyncio.StreamReader) -> tuple[FrameType, dict, bytes]:
-    """Read one frame. Raises TransferError on a bad header, asyncio.IncompleteReadError on EOF."""
-    ftype, jlen, plen = parse_header(await reader.readexactly(HEADER.size))
+async def read_frame(reader: asyncio.StreamReader, max_payload: int) -> tuple[FrameType, dict, bytes]:
+    """Read one frame of at most ``max_payload`` payload bytes. Raises TransferError on a bad or too
+    large header, asyncio.IncompleteReadError on EOF."""
+    ftype, jlen, plen = parse_header(await reader.readexactly(HEADER.size), max_payload)
     meta = json.loads(await reader.readexactly(jlen)) if jlen else {}
     payload = await reader.readexactly(plen) if plen else b""
     try:
@@ -101,9 +108,11 @@ class FrameReceiver(asyncio.BufferedProtocol):
 
     The payload buffer is reused: a frame's payload is valid until :meth:`next_frame` is called again,
     and reading pauses until then, which is the back-pressure (TCP flow control throttles the sender).
+    A frame announcing more than ``max_payload`` bytes closes the connection with a TransferError.
     """
 
-    def __init__(self):
+    def __init__(self, max_payload: int):
+        self.max_payload = max_payload
         self.transport: asyncio.Transport | None = None
         self._header = bytearray(HEADER.size)
         self._json = bytearray()
@@ -136,7 +145,7 @@ class FrameReceiver(asyncio.BufferedProtocol):
         while self._pos == len(self._view):   # zero-length parts complete at once
             if self._stage == 0:
                 try:
-                    self._ftype, jlen, self._plen = parse_header(self._header)
+                    self._ftype, jlen, self._plen = parse_header(self._header, self.max_payload)
                 except TransferError as e:
                     self._frames.put_nowait(e)
                     self.transport.close()

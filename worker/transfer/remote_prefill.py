@@ -52,24 +52,39 @@ async def generate(aengine: AsyncEngine, request_id: str, prompt_token_ids: list
                    params: SamplingParams, prefill_peer: str | None, peers: PrefillPeers | None,
                    metrics=None, deadline: float = 300.0) -> AsyncIterator[RequestOutput]:
     """Yield the request's outputs; the prompt is prefilled on ``prefill_peer`` (an http URL) when
-    given, else locally. Raises InvalidRequestError before the first output for a bad request."""
+    given, else locally. Raises InvalidRequestError before the first output for a bad request.
+
+    Every state of the request (reserved and waiting for the peer, receiving KV, queued for a local
+    prefill, running) ends in the one ``aengine.request`` scope below, so closing this generator
+    early (``contextlib.aclosing``), an error or a cancellation aborts it and frees its blocks."""
     if not prefill_peer or peers is None:
         async for out in aengine.generate(request_id, prompt_token_ids, params):
             yield out
         return
     engine = aengine.engine
-    q = aengine.open(request_id)
-    try:
-        seq = await aengine.call(engine.add_remote_request, request_id, prompt_token_ids, params)
-    except BaseException:
-        aengine.close(request_id)
-        raise
-    if seq is None:   # no room for the whole prompt now: queue a local prefill instead
-        aengine.close(request_id)
-        async for out in aengine.generate(request_id, prompt_token_ids, params):
+    async with aengine.request(request_id) as h:
+        seq = await h.add(engine.add_remote_request, request_id, prompt_token_ids, params)
+        if seq is None:   # no room for the whole prompt now: queue a local prefill instead
+            await h.add(engine.add_request, request_id, prompt_token_ids=prompt_token_ids, params=params)
+        else:
+            first = await _pull(aengine, request_id, prompt_token_ids, params, prefill_peer, peers, metrics,
+                                deadline, seq.block_table)
+            if first is not None:
+                if first.finished:
+                    h.live = False
+                yield first
+                if first.finished:
+                    return
+        async for out in h.outputs():
             yield out
-        return
-    first = None
+
+
+async def _pull(aengine: AsyncEngine, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                prefill_peer: str, peers: PrefillPeers, metrics, deadline: float,
+                block_table: list[int]) -> RequestOutput | None:
+    """Pull the prompt's KV from the peer into the reserved blocks; the first token's output, or None
+    when the transfer failed and the request was queued for a local prefill instead."""
+    engine = aengine.engine
     t0 = time.monotonic()
     try:
         host, port = await peers.kv_address(prefill_peer)
@@ -79,32 +94,18 @@ async def generate(aengine: AsyncEngine, request_id: str, prompt_token_ids: list
         async def on_blocks(first_block, data):
             await aengine.call(engine.write_kv, request_id, first_block, data)
 
-        done, nbytes = await pull_kv(host, port, hello, on_blocks, deadline=deadline)
-        lp = done.get("logprob")
-        sample = SampleResult(done["token_id"], lp, [tuple(x) for x in done["top_logprobs"]]
-                              if done.get("top_logprobs") else None)
-        first = await aengine.call(engine.complete_remote, request_id, done["token_id"], sample)
-        if metrics is not None:
-            metrics.kv_transfer_bytes.labels(**metrics.labels, direction="received").inc(nbytes)
-            metrics.kv_transfer_seconds.observe(time.monotonic() - t0)
+        done, nbytes = await pull_kv(host, port, hello, on_blocks, deadline=deadline,
+                                     max_payload=len(block_table) * engine.runner.block_bytes)
     except TransferError as e:
         log.warning("request %s: remote prefill failed, prefilling locally: %s", request_id, e)
         peers.forget(prefill_peer)
         await aengine.call(engine.fallback_local, request_id)
-    except BaseException:
-        aengine.close(request_id)
-        await asyncio.shield(aengine.call(engine.abort, request_id))
-        raise
-    if first is not None:
-        try:
-            yield first
-        except BaseException:
-            if not first.finished:
-                aengine.close(request_id)
-                await asyncio.shield(aengine.call(engine.abort, request_id))
-            raise
-        if first.finished:
-            aengine.close(request_id)
-            return
-    async for out in aengine.stream(request_id, q):
-        yield out
+        return None
+    lp = done.get("logprob")
+    sample = SampleResult(done["token_id"], lp, [tuple(x) for x in done["top_logprobs"]]
+                          if done.get("top_logprobs") else None)
+    first = await aengine.call(engine.complete_remote, request_id, done["token_id"], sample)
+    if metrics is not None:
+        metrics.kv_transfer_bytes.labels(**metrics.labels, direction="received").inc(nbytes)
+        metrics.kv_transfer_seconds.observe(time.monotonic() - t0)
+    return first

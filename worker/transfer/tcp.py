@@ -18,14 +18,13 @@ import logging
 import time
 from typing import Awaitable, Callable
 
-from tandem.worker.engine.async_engine import AsyncEngine
+from tandem.worker.engine.async_engine import AsyncEngine, EngineDead
 from tandem.worker.engine.llm_engine import RequestOutput
-from tandem.worker.engine.sequence import InvalidRequestError
+from tandem.worker.api.errors import InvalidRequestError
 from tandem.worker.transfer.protocol import (FrameReceiver, FrameType, TransferError, payload_to_tensor,
                                              read_frame, tensor_to_payload, write_frame)
 
 log = logging.getLogger(__name__)
-
 
 
 class KVTransferServer:
@@ -36,12 +35,13 @@ class KVTransferServer:
         layout: this worker's KV layout (``LLMEngine.kv_layout()``).
         on_sent: ``fn(num_bytes, seconds)`` per finished transfer (metrics).
         hello_timeout: seconds to wait for a HELLO after accepting a connection.
+        frame_timeout: seconds one frame may take to leave (a decode worker that stops reading).
     """
 
     def __init__(self, aengine: AsyncEngine, layout: dict, on_sent: Callable | None = None,
-                 hello_timeout: float = 10.0):
+                 hello_timeout: float = 10.0, frame_timeout: float = 30.0):
         self.aengine, self.layout, self.on_sent = aengine, layout, on_sent
-        self.hello_timeout = hello_timeout
+        self.hello_timeout, self.frame_timeout = hello_timeout, frame_timeout
         self.server: asyncio.AbstractServer | None = None
         self.active = 0          # transfers in flight (drain waits for them)
         self.accepting = True
@@ -58,64 +58,80 @@ class KVTransferServer:
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.active += 1
-        sent, t0 = 0, time.monotonic()
         try:
-            ftype, meta, _ = await asyncio.wait_for(read_frame(reader), self.hello_timeout)
+            ftype, meta, _ = await asyncio.wait_for(read_frame(reader, max_payload=0), self.hello_timeout)
             if ftype != FrameType.HELLO:
                 raise TransferError(f"expected HELLO, got {ftype.name}")
             if meta.get("layout") != self.layout:
                 msg = f"KV layout mismatch: prefill worker has {self.layout}, decode worker sent {meta.get('layout')}"
-                write_frame(writer, FrameType.REJECT, {"message": msg})
-                await writer.drain()
+                await self._send(writer, FrameType.REJECT, {"message": msg})
                 return
             if not self.accepting:
-                write_frame(writer, FrameType.REJECT, {"message": "prefill worker is draining"})
-                await writer.drain()
+                await self._send(writer, FrameType.REJECT, {"message": "prefill worker is draining"})
                 return
-            rid = self.aengine.new_request_id("prefill")
-            q = self.aengine.open(rid)
-            post = self.aengine.post
-
-            def kv_sink(seq, first_block, data, rid=rid):   # engine thread
-                post(rid, (first_block, data))
+            # The decode side sends nothing after HELLO: EOF means it left (client gone, deadline,
+            # its own abort), and the prefill stops at once rather than at its next write.
+            transfer = asyncio.ensure_future(self._transfer(meta, writer))
+            peer_gone = asyncio.ensure_future(reader.read(1))
             try:
-                await self.aengine.call(self.aengine.engine.add_request, rid,
-                                        prompt_token_ids=meta["prompt_token_ids"], params=meta.get("params"),
-                                        kv_sink=kv_sink, stop_after_first_token=True)
-            except InvalidRequestError as e:
-                self.aengine.close(rid)
-                write_frame(writer, FrameType.REJECT, {"message": str(e)})
-                await writer.drain()
-                return
-            write_frame(writer, FrameType.ACCEPT, {"request_id": rid})
-            async for item in self.aengine.stream(rid, q):
-                if isinstance(item, RequestOutput):
-                    lp = item.logprobs[0] if item.logprobs else None
-                    write_frame(writer, FrameType.DONE, {
-                        "token_id": item.new_token_ids[0],
-                        "logprob": lp.logprob if lp else None,
-                        "top_logprobs": lp.top_logprobs if lp else None,
-                        "num_cached_tokens": item.num_cached_tokens})
-                    await writer.drain()
-                else:
-                    first_block, data = item
-                    tmeta, payload = tensor_to_payload(data)
-                    write_frame(writer, FrameType.BLOCKS, {"first_block": first_block, **tmeta}, payload)
-                    sent += len(payload)
-                    await writer.drain()
-            if self.on_sent:
-                self.on_sent(sent, time.monotonic() - t0)
-        except (ConnectionError, asyncio.IncompleteReadError, asyncio.TimeoutError, TransferError) as e:
+                await asyncio.wait({transfer, peer_gone}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                peer_gone.cancel()
+                if not transfer.done():
+                    transfer.cancel()
+                    log.info("decode worker %s left during its KV transfer; prefill aborted",
+                             writer.get_extra_info("peername"))
+                await asyncio.gather(transfer, return_exceptions=True)
+            if not transfer.cancelled():
+                transfer.result()
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.TimeoutError, TransferError,
+                EngineDead) as e:
             log.warning("KV transfer to %s failed: %r", writer.get_extra_info("peername"), e)
         finally:
             self.active -= 1
             writer.close()
 
+    async def _send(self, writer: asyncio.StreamWriter, ftype: FrameType, meta: dict, payload=b"") -> None:
+        write_frame(writer, ftype, meta, payload)
+        await asyncio.wait_for(writer.drain(), self.frame_timeout)
+
+    async def _transfer(self, meta: dict, writer: asyncio.StreamWriter) -> None:
+        """Prefill the HELLO's prompt and stream its KV blocks, then DONE with the first token."""
+        sent, t0 = 0, time.monotonic()
+        rid = self.aengine.new_request_id("prefill")
+        post = self.aengine.post
+
+        def kv_sink(seq, first_block, data, rid=rid):   # engine thread
+            post(rid, (first_block, data))
+        async with self.aengine.request(rid) as h:
+            try:
+                await h.add(self.aengine.engine.add_request, rid, prompt_token_ids=meta.get("prompt_token_ids"),
+                            params=meta.get("params"), kv_sink=kv_sink, stop_after_first_token=True)
+            except InvalidRequestError as e:
+                await self._send(writer, FrameType.REJECT, {"message": str(e)})
+                return
+            await self._send(writer, FrameType.ACCEPT, {"request_id": rid})
+            async for item in h.outputs():
+                if isinstance(item, RequestOutput):
+                    lp = item.logprobs[0] if item.logprobs else None
+                    await self._send(writer, FrameType.DONE, {
+                        "token_id": item.new_token_ids[0],
+                        "logprob": lp.logprob if lp else None,
+                        "top_logprobs": lp.top_logprobs if lp else None,
+                        "num_cached_tokens": item.num_cached_tokens})
+                else:
+                    first_block, data = item
+                    tmeta, payload = tensor_to_payload(data)
+                    await self._send(writer, FrameType.BLOCKS, {"first_block": first_block, **tmeta}, payload)
+                    sent += len(payload)
+        if self.on_sent:
+            self.on_sent(sent, time.monotonic() - t0)
+
 
 async def pull_kv(host: str, port: int, hello: dict,
                   on_blocks: Callable[[int, object], Awaitable[None]],
                   connect_timeout: float = 5.0, frame_timeout: float = 30.0,
-                  deadline: float = 300.0) -> tuple[dict, int]:
+                  deadline: float = 300.0, max_payload: int = 0) -> tuple[dict, int]:
     """The decode worker's side of one transfer.
 
     Args:
@@ -125,6 +141,8 @@ async def pull_kv(host: str, port: int, hello: dict,
             (``[layers, 2, n, block_size, Hk, D]``).
         connect_timeout, frame_timeout, deadline: seconds for connecting, between two frames, and
             for the whole transfer.
+        max_payload: the most bytes one frame may carry: the reserved blocks' size. The length comes
+            from the peer, so a larger one is refused before any buffer is allocated.
 
     Returns:
         ``(done_meta, bytes_received)``: the DONE frame's metadata (first token and its logprobs).
@@ -136,8 +154,8 @@ async def pull_kv(host: str, port: int, hello: dict,
     received = 0
     loop = asyncio.get_running_loop()
     try:
-        transport, proto = await asyncio.wait_for(loop.create_connection(FrameReceiver, host, port),
-                                                  connect_timeout)
+        transport, proto = await asyncio.wait_for(
+            loop.create_connection(lambda: FrameReceiver(max_payload), host, port), connect_timeout)
     except (OSError, asyncio.TimeoutError) as e:
         raise TransferError(f"cannot connect to prefill worker {host}:{port}: {e!r}") from None
     try:
@@ -158,6 +176,8 @@ async def pull_kv(host: str, port: int, hello: dict,
             elif ftype != FrameType.ACCEPT:
                 raise TransferError(f"unexpected {ftype.name} frame")
     except (OSError, asyncio.TimeoutError) as e:
+        if isinstance(e, asyncio.TimeoutError) and time.monotonic() >= t_end:
+            raise TransferError(f"KV transfer from {host}:{port} passed its {deadline:.0f} s deadline") from None
         raise TransferError(f"KV transfer from {host}:{port} broke: {e!r}") from None
     finally:
         transport.close()

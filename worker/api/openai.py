@@ -1,18 +1,16 @@
-"""OpenAI request schemas and response/chunk builders (the shapes of OpenAI's and vLLM's API)."""
+"""OpenAI request schemas and their parsing: the request contract the router and every worker share."""
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
-import time
-import uuid
 from typing import Any, Literal, Optional, Union
 
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator,
                       model_validator)
 
-from tandem.worker.engine.loader import chat_token_ids
-from tandem.worker.engine.sequence import InvalidRequestError
+from tandem.worker.api.errors import InvalidRequestError, UnknownModelError
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +42,7 @@ class _Request(BaseModel):
         return d
 
     def _default_max_tokens(self, max_model_len: int, num_prompt_tokens: int) -> int:
-        return 16
+        return max(1, min(16, max_model_len - num_prompt_tokens))   # OpenAI's 16, where it fits
 
     @property
     def include_usage(self) -> bool:
@@ -86,7 +84,7 @@ class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[StrictInt] = None
     logprobs: bool = False
-    top_logprobs: Optional[int] = None
+    top_logprobs: Optional[StrictInt] = Field(None, ge=0, le=20)
 
     def sampling(self, max_model_len: int, num_prompt_tokens: int) -> dict:
         if self.max_tokens is None and self.max_completion_tokens is not None:
@@ -120,115 +118,84 @@ def parse_request(cls, body: Any):
         loc = ".".join(str(x) for x in err["loc"] if not _UNION_MEMBER.match(str(x)))
         msg = err["msg"].removeprefix("Value error, ")
         raise InvalidRequestError(loc, f"{msg} (got {err.get('input')!r})"[:300]) from None
+    if req.stream_options is not None and not req.stream:
+        raise InvalidRequestError("stream_options", "only allowed when stream is true")
     if req.model_extra:
         log.info("ignoring unknown request fields: %s", sorted(req.model_extra))
     return req
 
 
-def prompt_token_ids(req: "CompletionRequest | ChatCompletionRequest", tokenizer) -> list[int]:
+def max_prompt_chars(tokenizer, max_model_len: int) -> int:
+    """The most characters a prompt can have and still fit ``max_model_len`` tokens.
+
+    A token covers at most as many characters as its longest spelling in the vocabulary (byte-level
+    and sentencepiece spellings use one character per byte or fewer), so a longer text cannot fit
+    and is refused before the tokenizer spends time on it."""
+    return max_model_len * max(len(t) for t in tokenizer.get_vocab())
+
+
+def _check_chars(n: int, limit: int | None, field: str) -> None:
+    if limit is not None and n > limit:
+        raise InvalidRequestError(field, f"the prompt has {n} characters, more than can fit this model's "
+                                  f"context length (at most {limit} characters)")
+
+
+def prompt_token_ids(req: "CompletionRequest | ChatCompletionRequest", tokenizer,
+                     char_limit: int | None = None) -> list[int]:
     """The prompt's token ids: the chat template applied to ``messages``, or the completion ``prompt``
-    (text, or token ids). Raises InvalidRequestError for an empty prompt or several prompts."""
+    (text, or token ids). Raises InvalidRequestError for an empty prompt, several prompts, or a text
+    over ``char_limit`` characters (see :func:`max_prompt_chars`)."""
     if isinstance(req, ChatCompletionRequest):
-        return chat_token_ids(tokenizer, req.message_dicts())
+        messages = req.message_dicts()
+        _check_chars(sum(len(m["content"]) for m in messages), char_limit, "messages")
+        return chat_token_ids(tokenizer, messages)
     p = req.prompt
     if isinstance(p, list) and p and all(isinstance(x, int) for x in p):
         return list(p)
     if isinstance(p, list):
+        if not p:
+            raise InvalidRequestError("prompt", "must not be empty")
         if len(p) != 1:
             raise InvalidRequestError("prompt", "only one prompt per request is supported")
         p = p[0]
     if not p:
         raise InvalidRequestError("prompt", "must not be empty")
+    _check_chars(len(p), char_limit, "prompt")
     return list(tokenizer.encode(p))
 
 
-class UnknownModelError(InvalidRequestError):
-    """The request names a model this pool does not serve (HTTP 404)."""
-    status = 404
-
-
-def read_request(raw: bytes, chat: bool, model_name: str, tokenizer):
+def read_request(raw: bytes, chat: bool, model_name: str, tokenizer, char_limit: int | None = None):
     """Parse and check one OpenAI request body; returns ``(request, prompt_token_ids)``.
 
-    Raises InvalidRequestError (HTTP 400: malformed JSON, a bad field) or UnknownModelError (404)."""
+    CPU-bound (JSON, validation, tokenization): servers run it off the event loop.
+    Raises InvalidRequestError (HTTP 400: malformed JSON, a bad field, a prompt over ``char_limit``
+    characters) or UnknownModelError (404)."""
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise InvalidRequestError("", f"malformed JSON body: {e}") from None
+    except RecursionError:
+        raise InvalidRequestError("", "malformed JSON body: nested too deeply") from None
     req = parse_request(ChatCompletionRequest if chat else CompletionRequest, body)
     if req.model != model_name:
         raise UnknownModelError("model", f"The model `{req.model}` does not exist.")
-    return req, prompt_token_ids(req, tokenizer)
+    return req, prompt_token_ids(req, tokenizer, char_limit)
 
 
-def error_body(message: str, status: int, param: str | None = None,
-               etype: str = "invalid_request_error") -> dict:
-    return {"error": {"message": message, "type": etype, "param": param or None, "code": status}}
+async def read_request_async(raw: bytes, chat: bool, model_name: str, tokenizer,
+                             char_limit: int | None = None):
+    """:func:`read_request` on the default thread pool, so a large body never stalls the event loop
+    (health probes included)."""
+    return await asyncio.get_running_loop().run_in_executor(
+        None, read_request, raw, chat, model_name, tokenizer, char_limit)
 
 
-class ResponseBuilder:
-    """Builds the bodies of one request's response, streaming or not."""
+def chat_token_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of ``messages`` under the model's chat template, with the generation prompt.
 
-    def __init__(self, chat: bool, model: str, tokenizer, num_prompt_tokens: int):
-        self.chat, self.model, self.tok = chat, model, tokenizer
-        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        self.created = int(time.time())
-        self.num_prompt_tokens = num_prompt_tokens
-
-    def usage(self, completion_tokens: int) -> dict:
-        return {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": self.num_prompt_tokens + completion_tokens}
-
-    def _text(self, token_id: int) -> str:
-        return self.tok.decode([token_id])
-
-    def _logprobs(self, samples) -> dict | None:
-        if not samples:
-            return None
-        toks = [self._text(s.token_id) for s in samples]
-        if self.chat:
-            return {"content": [{
-                "token": t, "logprob": s.logprob, "bytes": list(t.encode()),
-                "top_logprobs": [{"token": self._text(i), "logprob": lp, "bytes": list(self._text(i).encode())}
-                                 for i, lp in (s.top_logprobs or [])]} for t, s in zip(toks, samples)]}
-        return {"tokens": toks, "token_logprobs": [s.logprob for s in samples],
-                "top_logprobs": [{self._text(i): lp for i, lp in (s.top_logprobs or [])}
-                                 for s in samples], "text_offset": []}
-
-    def full(self, text: str, finish_reason: str | None, completion_tokens: int, samples) -> dict:
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": self._logprobs(samples), "finish_reason": finish_reason}
-            obj = "chat.completion"
-        else:
-            choice = {"index": 0, "text": text, "logprobs": self._logprobs(samples),
-                      "finish_reason": finish_reason}
-            obj = "text_completion"
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
-                "choices": [choice], "usage": self.usage(completion_tokens)}
-
-    def _chunk(self, choices: list, usage: dict | None = None) -> bytes:
-        body = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": choices}
-        if usage is not None:
-            body["usage"] = usage
-        return b"data: " + json.dumps(body, ensure_ascii=False).encode() + b"\n\n"
-
-    def role_chunk(self) -> bytes:
-        return self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
-                             "logprobs": None, "finish_reason": None}])
-
-    def delta_chunk(self, text: str, finish_reason: str | None, samples) -> bytes:
-        if self.chat:
-            delta = {"content": text} if text or finish_reason is None else {}
-            choice = {"index": 0, "delta": delta, "logprobs": self._logprobs(samples),
-                      "finish_reason": finish_reason}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": self._logprobs(samples),
-                      "finish_reason": finish_reason}
-        return self._chunk([choice])
-
-    def usage_chunk(self, completion_tokens: int) -> bytes:
-        return self._chunk([], self.usage(completion_tokens))
-
-    DONE = b"data: [DONE]\n\n"
+    Raises InvalidRequestError (field ``messages``) when the template rejects them."""
+    try:
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                  return_dict=False))
+    except Exception as e:
+        raise InvalidRequestError("messages", f"cannot apply the chat template: {e}") from None

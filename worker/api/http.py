@@ -1,0 +1,56 @@
+"""The HTTP surface the router and every worker share: the OpenAI routes' app skeleton, JSON errors,
+and the headers they pass each other."""
+from __future__ import annotations
+
+from aiohttp import web
+
+from tandem.worker.api.errors import error_body
+
+#: router -> decode worker: the prefill worker (an http URL) to pull the prompt's KV from
+PREFILL_PEER_HEADER = "X-Tandem-Prefill-Peer"
+#: worker -> router, on non-streaming responses: the worker's TTFT in seconds
+TTFT_HEADER = "X-Tandem-TTFT-Seconds"
+
+
+#: the default limit on a request body (``tandem serve --max-request-bytes``)
+DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20
+
+
+@web.middleware
+async def json_errors(request: web.Request, handler):
+    """aiohttp's own errors (unknown path 404, wrong method 405, body too large 413) as OpenAI JSON."""
+    try:
+        return await handler(request)
+    except web.HTTPRequestEntityTooLarge:
+        limit = request.app["max_request_bytes"]
+        return json_error(f"the request body is larger than this server's limit of {limit} bytes "
+                          f"(tandem serve --max-request-bytes)", 413)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return json_error(f"{e.reason}: {request.method} {request.path}", e.status)
+
+
+def openai_app(h, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> web.Application:
+    """The routes the router and every worker share, served by ``h``'s handlers of the same names.
+
+    A body over ``max_request_bytes`` is refused with 413 as it arrives, before it is parsed."""
+    app = web.Application(client_max_size=max_request_bytes, middlewares=[json_errors])
+    app["max_request_bytes"] = max_request_bytes
+    app.router.add_post("/v1/completions", h.completions)
+    app.router.add_post("/v1/chat/completions", h.chat_completions)
+    app.router.add_get("/v1/models", h.models)
+    app.router.add_get("/health", h.health)
+    app.router.add_get("/ready", h.ready)
+    app.router.add_get("/metrics", h.metrics_route)
+    app.on_startup.append(h._startup)
+    app.on_cleanup.append(h._cleanup)
+    return app
+
+
+def json_error(message: str, status: int, param: str | None = None) -> web.Response:
+    """An OpenAI-style error response (``not_found_error`` for 404, ``server_error`` from 500)."""
+    etype = "invalid_request_error" if status < 500 else "server_error"
+    if status == 404:
+        etype = "not_found_error"
+    return web.json_response(error_body(message, status, param, etype), status=status)
