@@ -11,7 +11,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator,
                       model_validator)
 
-from tandem.worker.engine.loader import chat_token_ids
+from tandem.worker.api.tokenizer import chat_token_ids
 from tandem.worker.engine.sequence import InvalidRequestError
 
 log = logging.getLogger(__name__)

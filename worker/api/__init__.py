@@ -1,0 +1,1 @@
+"""The contracts shared by processes (router and workers): imports no torch."""
