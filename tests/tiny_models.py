@@ -61,3 +61,44 @@ def build_model(path: Path, arch: str = "llama", seed: int = 0, rope_scaling: di
                 p.normal_(0, 0.5)
     model.save_pretrained(str(path), safe_serialization=True)
     return path
+
+
+def build_sentencepiece_gguf(path: Path, tokenizer_model: str = "llama") -> Path:
+    """Save a metadata-only GGUF whose tokenizer is llama.cpp's ``llama`` kind (sentencepiece-style
+    BPE: ``▁`` for spaces, ``<0xNN>`` byte fallback, merges implied by the scores), trained on
+    CORPUS, with control tokens, a user-defined token and a chat template that writes its own BOS.
+    ``tokenizer_model`` names another kind, to test that one is refused."""
+    import gguf
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=300))
+    vocab = tok.get_vocab()
+    chars = sorted((t for t in vocab if len(t) == 1), key=vocab.get)
+    pieces = sorted((t for t in vocab if len(t) > 1), key=vocab.get)   # in the order they were merged
+    special = [("<unk>", 2), ("<s>", 3), ("</s>", 3), ("<|im_start|>", 3), ("<|im_end|>", 3), ("<think>", 4)]
+    tokens = ([t for t, _ in special] + [f"<0x{b:02X}>" for b in range(256)] + chars + pieces)
+    types = [k for _, k in special] + [6] * 256 + [1] * (len(chars) + len(pieces))
+    scores = [0.0] * (len(special) + 256) + [-1e4 - i for i in range(len(chars))] + [-float(i) for i in range(len(pieces))]
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_context_length(512)
+    w.add_embedding_length(64)
+    w.add_block_count(1)
+    w.add_feed_forward_length(128)
+    w.add_head_count(4)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_tokenizer_model(tokenizer_model)
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(4)
+    w.add_unk_token_id(0)
+    w.add_chat_template("{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+                        "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

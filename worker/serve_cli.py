@@ -111,7 +111,7 @@ async def _serve_worker(args, cfg) -> None:
 
 
 async def _serve_router(args, cfg) -> None:
-    from tandem.worker.engine.loader import load_tokenizer
+    from tandem.worker.api.tokenizer import load_tokenizer
     from tandem.worker.router.app import Router
     from tandem.worker.router.discovery import make_discovery
 

@@ -11,6 +11,7 @@ from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, Valid
                       model_validator)
 
 from tandem.worker.api.errors import InvalidRequestError, UnknownModelError
+from tandem.worker.api.tokenizer import chat_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -189,13 +190,3 @@ async def read_request_async(raw: bytes, chat: bool, model_name: str, tokenizer,
     return await asyncio.get_running_loop().run_in_executor(
         None, read_request, raw, chat, model_name, tokenizer, char_limit)
 
-
-def chat_token_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """Token ids of ``messages`` under the model's chat template, with the generation prompt.
-
-    Raises InvalidRequestError (field ``messages``) when the template rejects them."""
-    try:
-        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                  return_dict=False))
-    except Exception as e:
-        raise InvalidRequestError("messages", f"cannot apply the chat template: {e}") from None

