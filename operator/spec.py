@@ -209,18 +209,30 @@ class ScalingRule(_Model):
     periodSeconds: int = Field(60, ge=1, le=1800, description="Length of the period maxStep applies to.")
 
 
-def _default_scale_up() -> "ScalingRule":
-    return ScalingRule(stabilizationWindowSeconds=0, maxStep=2, periodSeconds=30)
+# Each direction is its own model with its own per-field defaults, so a partial rule (say
+# `scaleDown: {maxStep: 2}`) keeps the other fields' defaults of that direction, in pydantic and in the
+# generated CRD schema alike (the API server fills absent fields from the properties' defaults, not
+# from the parent object's default).
+class ScaleUpRule(ScalingRule):
+    """Limits on scaling up (defaults: act at once, at most 2 replicas per 30 s)."""
+    stabilizationWindowSeconds: int = Field(0, ge=0, le=3600, description=(
+        "Recommendations are held this long before acting (the most conservative one in the window wins)."))
+    maxStep: int = Field(2, ge=1, le=1000, description="Most replicas added per period.")
+    periodSeconds: int = Field(30, ge=1, le=1800, description="Length of the period maxStep applies to.")
 
 
-def _default_scale_down() -> "ScalingRule":
-    return ScalingRule(stabilizationWindowSeconds=300, maxStep=1, periodSeconds=60)
+class ScaleDownRule(ScalingRule):
+    """Limits on scaling down (defaults: a 300 s window, at most 1 replica per 60 s)."""
+    stabilizationWindowSeconds: int = Field(300, ge=0, le=3600, description=(
+        "Recommendations are held this long before acting (the most conservative one in the window wins)."))
+    maxStep: int = Field(1, ge=1, le=1000, description="Most replicas removed per period.")
+    periodSeconds: int = Field(60, ge=1, le=1800, description="Length of the period maxStep applies to.")
 
 
 class ScalingBehavior(_Model):
     """Anti-flapping limits, separately for scaling up and down."""
-    scaleUp: ScalingRule = Field(default_factory=_default_scale_up, description="Limits on scaling up.")
-    scaleDown: ScalingRule = Field(default_factory=_default_scale_down, description="Limits on scaling down.")
+    scaleUp: ScaleUpRule = Field(default_factory=ScaleUpRule, description="Limits on scaling up.")
+    scaleDown: ScaleDownRule = Field(default_factory=ScaleDownRule, description="Limits on scaling down.")
 
 
 class RoleAutoscaling(_Model):
