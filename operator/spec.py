@@ -114,6 +114,21 @@ Quantity = Annotated[str, BeforeValidator(_to_quantity_str), AfterValidator(_che
                                               "pattern": QUANTITY_PATTERN})]
 
 NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"   # RFC 1123 label
+#: A pool's name: its Services are <name>-prefill, <name>-decode and <name>-router, and a Service's name
+#: must be an RFC 1035 label (it starts with a letter); 40 leaves room for the suffixes and pod names.
+POOL_NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+POOL_NAME_MAX = 40
+
+
+def pool_name_problems(name: str) -> list[tuple[str, str]]:
+    """Whether every child of a pool with this name can be made; (field path, message) pairs."""
+    if not re.match(POOL_NAME_PATTERN, name):
+        return [("metadata.name", f"{name!r} cannot name the pool's Services (<name>-router ...): use "
+                                  "lowercase letters, digits and '-', starting with a letter and ending "
+                                  "with a letter or digit")]
+    if len(name) > POOL_NAME_MAX:
+        return [("metadata.name", f"must be at most {POOL_NAME_MAX} characters (children append -prefill etc.)")]
+    return []
 MODEL_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$"
 IMAGE_PATTERN = r"^[^\s]+$"
 
@@ -343,7 +358,7 @@ class InferencePoolSpec(_Model):
 class ObjectMeta(BaseModel):
     """The parts of metadata the spec reads; everything else is kept."""
     model_config = ConfigDict(extra="allow")
-    name: str = Field(pattern=NAME_PATTERN, max_length=40)
+    name: str = Field(pattern=POOL_NAME_PATTERN, max_length=POOL_NAME_MAX)
     namespace: Optional[str] = Field(None, pattern=NAME_PATTERN, max_length=63)
     labels: dict[str, str] = Field(default_factory=dict)
     annotations: dict[str, str] = Field(default_factory=dict)
