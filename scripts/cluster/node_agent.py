@@ -25,8 +25,10 @@ Run as root (it makes network namespaces). What it does, and what it deliberatel
   the env value that names it (rewritten like a mount path, since there is no mount namespace).
 - On deletion: runs the preStop hook (httpGet or exec), sends SIGTERM, waits out the grace period,
   sends SIGKILL, removes the namespace and finally deletes the Pod object (as a kubelet does).
+- hostPath and persistentVolumeClaim volumes (a PVC bound to a hostPath PersistentVolume) are bind
+  mounts at their mountPath in the pod's own mount namespace (read-only where the mount says so).
 - Not done: liveness-probe restarts, init/sidecar containers, resource limits, images, volumes other
-  than configMap/secret/emptyDir.
+  than configMap/secret/emptyDir/hostPath/persistentVolumeClaim.
 """
 from __future__ import annotations
 
@@ -113,15 +115,37 @@ class PodRunner:
         sh("ip", "netns", "delete", self.netns, check=False)
         sh("ip", "link", "delete", self.veth_host, check=False)
 
+    def _pv_path(self, claim: str) -> str:
+        """The host directory behind a PersistentVolumeClaim (bound to a hostPath PersistentVolume)."""
+        pvc = self.agent.core.read_namespaced_persistent_volume_claim(claim, self.ns)
+        if pvc.status is None or pvc.status.phase != "Bound" or not pvc.spec.volume_name:
+            raise RuntimeError(f"PersistentVolumeClaim {self.ns}/{claim} is not bound yet")
+        pv = self.agent.core.read_persistent_volume(pvc.spec.volume_name)
+        if pv.spec.host_path is None:
+            raise RuntimeError(f"PersistentVolume {pv.metadata.name}: only hostPath volumes are supported")
+        return pv.spec.host_path.path
+
     def _volumes(self) -> dict[str, str]:
-        """Write configMap/secret/emptyDir volumes to disk; return {mountPath: local dir}."""
+        """Write configMap/secret/emptyDir volumes to disk; return {mountPath: local dir}. hostPath and
+        persistentVolumeClaim volumes become bind mounts in the pod's own mount namespace (self.binds),
+        so the process reads them at their mountPath, as in a container."""
         spec = self.pod.spec
         c = spec.containers[0]
         local: dict[str, str] = {}
+        self.binds: list[tuple[str, str, bool]] = []
         vols = {v.name: v for v in (spec.volumes or [])}
         for m in c.volume_mounts or []:
             v = vols.get(m.name)
             if v is None:
+                continue
+            if v.host_path is not None or v.persistent_volume_claim is not None:
+                src = v.host_path.path if v.host_path is not None else self._pv_path(
+                    v.persistent_volume_claim.claim_name)
+                if m.sub_path:
+                    src = os.path.join(src, m.sub_path)
+                ro = bool(m.read_only or (v.persistent_volume_claim is not None
+                                          and v.persistent_volume_claim.read_only))
+                self.binds.append((src, m.mount_path, ro))
                 continue
             d = self.dir / "volumes" / m.name
             d.mkdir(parents=True, exist_ok=True)
@@ -203,7 +227,7 @@ class PodRunner:
         self.log_offset = out.tell()
         out.write(f"--- start {now()}: {shlex.join(self.argv)}\n".encode())
         out.flush()
-        self.proc = subprocess.Popen(["ip", "netns", "exec", self.netns, *self.argv], stdout=out,
+        self.proc = subprocess.Popen(["ip", "netns", "exec", self.netns, *self._with_binds(self.argv)], stdout=out,
                                      stderr=subprocess.STDOUT, env=self.env, cwd=str(self.dir),
                                      start_new_session=True)
         (self.dir / "pid").write_text(str(self.proc.pid))
@@ -211,6 +235,22 @@ class PodRunner:
         self.launched_at = time.time()
         self.ready = False
         self.next_start = None
+
+    def _with_binds(self, argv: list[str]) -> list[str]:
+        """argv run in a private mount namespace with the bind mounts made first (same PID: exec)."""
+        if not self.binds:
+            return argv
+        steps = ["set -e"]
+        for src, dst, ro in self.binds:
+            q, qd = shlex.quote(src), shlex.quote(dst)
+            # the mount point is made on the host's file system (an empty directory or file is left)
+            steps.append(f"mkdir -p {qd}" if os.path.isdir(src) else
+                         f"mkdir -p {shlex.quote(os.path.dirname(dst))}; [ -e {qd} ] || touch {qd}")
+            steps.append(f"mount --bind {q} {qd}")
+            if ro:
+                steps.append(f"mount -o remount,bind,ro {qd}")
+        steps.append('exec "$@"')
+        return ["unshare", "--mount", "--propagation", "private", "sh", "-c", "; ".join(steps), "sh", *argv]
 
     def _termination_message(self, code: int) -> str:
         """The kubelet's rule: the terminationMessagePath file (at most 4096 bytes); when it is empty,
