@@ -112,7 +112,8 @@ async def configure(settings: kopf.OperatorSettings, logger, **_):
         settings.admission.server = ManagedConfiguration(
             server, _env("TANDEM_WEBHOOK_CONFIG", "tandem-operator.serving.tandem.dev"), WEBHOOK_ID)
         settings.admission.managed = None
-        logging.getLogger("kopf.objects").addFilter(_RefusalAtInfo())
+        logging.getLogger("aiohttp.access").setLevel(logging.WARNING)  # a line per admission request
+    logging.getLogger("kopf.objects").addFilter(_RefusalAtInfo())
     port = int(_env("TANDEM_METRICS_PORT", "0") or 0)
     if port:
         from . import metrics
@@ -292,15 +293,20 @@ def _report(res, ns: str, name: str, seconds: float) -> None:
 
 
 WEBHOOK_ID = "check-pool"
+#: Kopf's INFO lines for routine handler runs (every admission, every child Deployment event).
+_ROUTINE = {f"Handler '{WEBHOOK_ID}' succeeded.", "Handler 'on_child_event' succeeded."}
 
 
 class _RefusalAtInfo(logging.Filter):
     """A user's invalid manifest is not an operator error: Kopf logs each refusal of the admission
-    handler as "Handler 'check-pool' failed permanently: ..." at ERROR; make it one INFO line."""
+    handler as "Handler 'check-pool' failed permanently: ..." at ERROR; make it one INFO line. Kopf's
+    routine "succeeded" lines for every admission and child event are kept for DEBUG."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         msg = record.getMessage()
         marker = f"'{WEBHOOK_ID}' failed permanently: "
+        if record.levelno == logging.INFO and msg in _ROUTINE:  # one per admission or child event
+            return log.isEnabledFor(logging.DEBUG)
         if record.levelno >= logging.ERROR and marker in msg:
             record.msg, record.args = "admission refused: " + msg.split(marker, 1)[1], None
             record.levelno, record.levelname = logging.INFO, "INFO"

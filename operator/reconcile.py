@@ -228,6 +228,8 @@ class Reconciler:
                         continue
                     res.applied.append(f"{obj['kind']}/{obj['metadata']['name']}")
                     self.stats["applies"] += 1
+                    if obj["kind"] == "InferencePool":
+                        self._drop_other_gie(obj["apiVersion"], ns, name, md.get("uid"), res)
                 else:
                     res.unchanged += 1
                 if obj["kind"] == "Deployment":
@@ -274,6 +276,19 @@ class Reconciler:
         st = self._status(old_status, generation, deployments, degraded=degraded)
         res.status_written = self._write_status(ns, name, old_status, st, body)
         return res
+
+    def _drop_other_gie(self, keep: str, ns: str, name: str, uid: Optional[str], res: Result) -> None:
+        """Delete this pool's GIE InferencePool in the other served version: when the GA v1 CRD
+        appears next to x-k8s v1alpha2, the pool moves to v1 and leaves no twin behind. Run only when
+        the wanted one is applied, so a steady pass costs no extra reads."""
+        for gv in GIE_VERSIONS:
+            if gv == keep or not self.kube.has(gv, "inferencepools", ttl=10):
+                continue
+            path = object_path(gv, "inferencepools", ns, name)
+            g = self.kube.get(path)
+            if g is not None and any(r.get("uid") == uid for r in g["metadata"].get("ownerReferences", [])):
+                self.kube.delete(path)
+                res.applied.append(f"-InferencePool/{name} ({gv})")
 
     def _pods(self, ns: str, name: str, snapshot: Optional[dict[str, dict]]) -> list[dict]:
         if snapshot is not None:

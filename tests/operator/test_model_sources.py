@@ -59,10 +59,15 @@ def test_path_and_pvc_sources_reach_every_role(cluster, operator, worker_kind):
     # through the deprecated Endpoints, under the Role the operator gives them
     for name in ("frompath", "frompvc"):
         sa = f"system:serviceaccount:{NS}:{name}-router"
-        reads = {(ev["verb"], (ev.get("objectRef") or {}).get("resource"), (ev.get("objectRef") or {}).get("apiVersion"))
-                 for ev in AuditLog(cluster).events(0, sa) if ev.get("objectRef", {}).get("resource")}
-        assert ("list", "endpointslices", "v1beta1") in reads and ("watch", "endpointslices", "v1beta1") in reads, reads
-        assert not any(r == "endpoints" for _, r, _ in reads), reads
+
+        def reads():
+            return {(ev["verb"], (ev.get("objectRef") or {}).get("resource"),
+                     (ev.get("objectRef") or {}).get("apiVersion"))
+                    for ev in AuditLog(cluster).events(0, sa) if (ev.get("objectRef") or {}).get("resource")}
+        # a watch is audited when it ends (the router's run 30 s)
+        got = wait_for(lambda: (r := reads()) and ("list", "endpointslices", "v1beta1") in r
+                       and ("watch", "endpointslices", "v1beta1") in r and r, 60, "list and watch of EndpointSlices")
+        assert not any(res == "endpoints" for _, res, _ in got), got
         assert not any(ev.get("responseStatus", {}).get("code") == 403 for ev in AuditLog(cluster).events(0, sa))
     if worker_kind == "real":  # and it answers through both workers
         pods = json.loads(cluster.kubectl("get", "pods", "-n", NS, "-l", "serving.tandem.dev/pool=frompvc,"
