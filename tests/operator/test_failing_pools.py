@@ -152,26 +152,29 @@ def test_crash_looping_workers_turn_the_pool_degraded(cluster, operator):
     cluster.kubectl("delete", "tpool", "nomodel", "-n", ns, "--wait=false")
 
 
-# ---- findings 3 and 1 (names) and 5, at admission ---------------------------------------------------
+# ---- findings 1 (names), 5 and 3, at admission -------------------------------------------------------
 
 @pytest.mark.timeout(120)
-def test_admission_names_behavior_defaults_and_a_frozen_operator(cluster, operator):
+def test_admission_refuses_names_whose_children_cannot_exist(cluster, operator):
     ensure_ns(cluster, "val")
-    # names whose Services would be invalid are refused at apply time
     for bad in ("2smollm", "smollm2.v2"):
         r = apply_yaml(cluster, base_manifest(ns="val", name=bad), "--dry-run=server", check=False)
         assert r.returncode != 0 and "admission webhook" in r.stderr and "metadata.name" in r.stderr, (bad, r.stderr)
-    # a partial behavior keeps each field's default, on the server too
+
+
+@pytest.mark.timeout(120)
+def test_partial_behavior_keeps_each_default_on_the_server(cluster, operator):
+    ensure_ns(cluster, "val")
     d = base_manifest("examples/llama3-8b-autoscaled.yaml", ns="val")
     d["spec"]["decode"]["autoscaling"]["behavior"] = {"scaleDown": {"maxStep": 2}}
     r = apply_yaml(cluster, d, "--dry-run=server", "-o", "json")
     got = json.loads(r.stdout)["spec"]["decode"]["autoscaling"]["behavior"]
     assert got["scaleDown"] == {"stabilizationWindowSeconds": 300, "maxStep": 2, "periodSeconds": 60}, got
-    # fail-open with a short timeout, stated in the configuration
-    vwc = kget(cluster, "validatingwebhookconfiguration", "tandem-operator.serving.tandem.dev")
-    hooks = vwc["webhooks"]
-    assert hooks and all(h["failurePolicy"] == "Ignore" and h["timeoutSeconds"] <= 10 for h in hooks), hooks
-    # a frozen operator delays an apply by the timeout, and never fails it
+
+
+@pytest.mark.timeout(120)
+def test_a_frozen_operator_delays_admission_by_seconds_and_never_fails_it(cluster, operator):
+    ensure_ns(cluster, "val")
     pid = operator.pid()
     os.kill(pid, signal.SIGSTOP)
     try:
@@ -182,6 +185,9 @@ def test_admission_names_behavior_defaults_and_a_frozen_operator(cluster, operat
         os.kill(pid, signal.SIGCONT)
     print(f"\n[frozen] dry-run apply with the operator stopped by SIGSTOP: rc {r.returncode} in {took:.1f}s")
     assert r.returncode == 0 and took < 15, (took, r.stderr)
+    # fail-open with a short timeout, stated in the configuration
+    hooks = kget(cluster, "validatingwebhookconfiguration", "tandem-operator.serving.tandem.dev")["webhooks"]
+    assert hooks and all(h["failurePolicy"] == "Ignore" and h["timeoutSeconds"] <= 10 for h in hooks), hooks
 
 
 # ---- findings 4 and 7: an operator that starts with pools waiting -----------------------------------
