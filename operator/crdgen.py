@@ -153,6 +153,8 @@ def _status_schema() -> dict[str, Any]:
     return {"type": "object", "description": "Observed state, written by the operator.",
             "x-kubernetes-preserve-unknown-fields": True, "properties": {
                 "observedGeneration": {"type": "integer", "description": "The spec generation last reconciled."},
+                "message": {"type": "string", "description": (
+                    "One line for kubectl get: why the pool is Degraded (reason: message), else where it stands.")},
                 "conditions": {"type": "array", "description": "Ready, Progressing, Degraded and ScalingLimited.",
                                "items": cond},
                 "prefill": role, "decode": role, "router": role,
@@ -192,6 +194,8 @@ def crd() -> dict[str, Any]:
         {"name": "TTFT", "type": "string", "jsonPath": ".status.observed.ttft", "description": "Observed TTFT."},
         {"name": "TPOT", "type": "string", "jsonPath": ".status.observed.tpot", "description": "Observed TPOT."},
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+        {"name": "Status", "type": "string", "jsonPath": ".status.message",
+         "description": "Why the pool is Degraded, else where it stands."},
     ]
     return {
         "apiVersion": "apiextensions.k8s.io/v1",

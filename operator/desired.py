@@ -22,6 +22,7 @@ ANN_CONFIG_HASH = "serving.tandem.dev/config-hash"
 ANN_DESIRED_HASH = "serving.tandem.dev/desired-hash"
 CONFIG_DIR = "/etc/tandem"
 MODELS_MOUNT = "/mnt/models"
+TERMINATION_LOG = "/dev/termination-log"
 RUN_AS_USER = 10001
 #: The prefill worker's KV-transfer port (TCP), next to its HTTP port.
 KV_PORT = S.WORKER_PORT + 1
@@ -123,7 +124,10 @@ def router_rbac(pool: S.InferencePool) -> list[dict[str, Any]]:
     return [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(pool, sa, "router")},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": _meta(pool, sa, "router"),
-         "rules": [{"apiGroups": [""], "resources": ["endpoints"], "verbs": ["get", "list", "watch"]}]},
+         # EndpointSlices where served; Endpoints as the fallback (worker/router/discovery_k8s.py)
+         "rules": [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+                    "verbs": ["get", "list", "watch"]},
+                   {"apiGroups": [""], "resources": ["endpoints"], "verbs": ["get", "list", "watch"]}]},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": _meta(pool, sa, "router"),
          "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": sa},
          "subjects": [{"kind": "ServiceAccount", "name": sa, "namespace": ns}]},
@@ -163,7 +167,9 @@ def deployment(pool: S.InferencePool, role: str, replicas: int) -> dict[str, Any
         {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
         {"name": "tmp", "mountPath": "/tmp"},
     ]
-    if worker and sp.model.source.pvc is not None:
+    # Every role reads the model: workers the weights, the router its tokenizer (#13: the router of a
+    # PVC pool could never start).
+    if sp.model.source.pvc is not None:
         volumes.append({"name": "models", "persistentVolumeClaim": {"claimName": sp.model.source.pvc.claimName,
                                                                     "readOnly": True}})
         mounts.append({"name": "models", "mountPath": MODELS_MOUNT, "readOnly": True})
@@ -177,7 +183,12 @@ def deployment(pool: S.InferencePool, role: str, replicas: int) -> dict[str, Any
             {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
             {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
             {"name": "HOME", "value": "/tmp"},
+            # where `tandem serve` writes its fatal error; the kubelet reports it in lastState.terminated
+            {"name": "TANDEM_TERMINATION_LOG", "value": TERMINATION_LOG},
         ],
+        "terminationMessagePath": TERMINATION_LOG,
+        # an error before the worker could write its message (an import, say) still shows: the log's tail
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         "ports": ports,
         "resources": _resources(res),
         "startupProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5,

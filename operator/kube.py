@@ -26,11 +26,23 @@ except Exception:  # noqa: BLE001
 
 FIELD_MANAGER = "tandem-operator"
 RETRY_STATUS = {409, 429, 500, 502, 503, 504}
+#: The server judged the object itself invalid: sending it again cannot help until the spec changes.
+PERMANENT_STATUS = {400, 422}
+
+
+def is_permanent(e: "KubeError") -> bool:
+    """Whether an API error stays until the pool's spec changes (400 Bad Request, 422 Invalid).
+    Everything else (403 quota or RBAC, 404, 409, 429, 5xx, no answer) may clear by itself."""
+    return e.status in PERMANENT_STATUS
 
 
 class KubeError(Exception):
+    """An API request that failed: `status` is the HTTP status (0 when no answer came), `message` the
+    server's message."""
+
     def __init__(self, status: int, message: str, body: Any = None):
         self.status = status
+        self.message = message
         self.body = body
         super().__init__(f"HTTP {status}: {message}")
 

@@ -1,8 +1,17 @@
 """One reconcile pass of an InferencePool: validate, compute the desired children, apply only what
 differs (server-side apply, one field manager), then write status from what is observed.
 
-Synchronous; both the Kopf handlers and the periodic resync loop call `Reconciler.reconcile` (in a
-worker thread). A per-pool lock keeps two passes of one pool from interleaving.
+Synchronous; the operator's one reconcile loop (handlers.py) calls `Reconciler.reconcile` in a worker
+thread. A per-pool lock keeps two passes of one pool from interleaving.
+
+Failures, and what each does to the pool:
+- an invalid spec: Degraded/InvalidSpec, no children;
+- a child the API server refuses as invalid (400, 422): Degraded/ChildRejected naming the child and the
+  server's message; the pool is then left alone (no API call at all) until its generation changes;
+- any other API error (403, 404, 409, 429, 5xx, no answer): `KubeError` is raised and the caller
+  retries with growing delays (Degraded/ApplyFailed meanwhile);
+- pods that crash-loop or cannot start: Degraded/PodsFailing with the container's termination message.
+A Warning event is posted once each time Degraded turns True or changes its reason or message.
 """
 from __future__ import annotations
 
@@ -15,7 +24,7 @@ from typing import Any, Optional
 
 from . import desired as D
 from . import spec as S
-from .kube import Kube, KubeError, object_path, path_of
+from .kube import Kube, KubeError, is_permanent, object_path, path_of
 
 log = logging.getLogger("tandem.operator")
 
@@ -28,13 +37,61 @@ def now() -> str:
     return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+#: Restarts after which a pod that is not ready and has terminated is crash-looping. With the kubelet's
+#: back-off (10 s, then doubling) the pool turns Degraded within about half a minute of the first crash.
+CRASH_RESTARTS = 2
+#: Waiting reasons that mean a container cannot start at all (no restart will help).
+CANNOT_START = {"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "CreateContainerConfigError",
+                "CreateContainerError", "RunContainerError"}
+
+
 @dataclass
 class Result:
     applied: list[str] = field(default_factory=list)
     unchanged: int = 0
     status_written: bool = False
     problems: list[tuple[str, str]] = field(default_factory=list)
+    #: (child, server message) for each child the API server refused as invalid
+    rejected: list[tuple[str, str]] = field(default_factory=list)
+    #: the pool was left alone: a child was refused for this generation already
+    parked: bool = False
     error: Optional[str] = None
+
+
+def _one_line(text: str, limit: int = 300) -> str:
+    """The last non-empty line of a message (a traceback's last line names the error), trimmed."""
+    lines = [ln.strip() for ln in (text or "").splitlines() if ln.strip()]
+    out = lines[-1] if lines else ""
+    return out if len(out) <= limit else out[:limit - 3] + "..."
+
+
+def pod_problem(pods: list[dict]) -> Optional[str]:
+    """Why a role's pods cannot work, from their container statuses, or None.
+
+    A container that is not ready and either waits for a reason in CANNOT_START, or has restarted
+    CRASH_RESTARTS times with a last termination, fails. The message is stable while nothing changes
+    (pod name, reason, exit code, the last line of the termination message; never the restart count),
+    so the pool's status is not rewritten at each crash."""
+    for p in sorted(pods, key=lambda p: p["metadata"]["name"]):
+        if p["metadata"].get("deletionTimestamp"):
+            continue
+        for cs in (p.get("status") or {}).get("containerStatuses") or []:
+            if cs.get("ready"):
+                continue
+            waiting = (cs.get("state") or {}).get("waiting") or {}
+            term = (cs.get("lastState") or {}).get("terminated") or {}
+            pod = p["metadata"]["name"]
+            if waiting.get("reason") in CANNOT_START:
+                return f"pod {pod}: {waiting['reason']}: {_one_line(waiting.get('message', ''))}"
+            if term and (cs.get("restartCount") or 0) >= CRASH_RESTARTS:
+                why = _one_line(term.get("message", "")) or term.get("reason") or "terminated"
+                return f"pod {pod} is crash-looping (exit code {term.get('exitCode')}): {why}"
+    return None
+
+
+def degraded_condition(status: dict) -> Optional[dict]:
+    c = {c.get("type"): c for c in status.get("conditions", [])}.get("Degraded")
+    return c if c and c.get("status") == "True" else None
 
 
 def pool_path(ns: str, name: str, sub: Optional[str] = None) -> str:
@@ -85,7 +142,8 @@ class Reconciler:
     def snapshot(self, namespace: str, caps: D.Capabilities) -> dict[str, dict]:
         """Every object the operator manages in a namespace, by path, from one LIST per kind: a resync
         pass over many pools then compares in memory instead of one GET per child."""
-        types = list(CHILD_TYPES) + [(caps.pdb_api_version, "poddisruptionbudgets")]
+        # pods are not children, but status reads their state
+        types = list(CHILD_TYPES) + [(caps.pdb_api_version, "poddisruptionbudgets"), ("v1", "pods")]
         if caps.service_monitor:
             types.append(("monitoring.coreos.com/v1", "servicemonitors"))
         if caps.gie_api_version:
@@ -99,7 +157,7 @@ class Reconciler:
         return out
 
     # ---- the pass -------------------------------------------------------------------------------
-    def reconcile(self, body: dict, reason: str = "resync", caps: Optional[D.Capabilities] = None,
+    def reconcile(self, body: dict, caps: Optional[D.Capabilities] = None,
                   snapshot: Optional[dict[str, dict]] = None) -> Result:
         """One pass. With a snapshot (from `snapshot`, same caps) the children are read from it;
         a child missing from it counts as missing."""
@@ -107,9 +165,20 @@ class Reconciler:
         ns, name = md.get("namespace") or "default", md["name"]
         with self._lock(f"{ns}/{name}"):
             self.stats["passes"] += 1
-            return self._reconcile(body, reason, caps, snapshot)
+            if self.parked(body):
+                return Result(parked=True)
+            return self._reconcile(body, caps, snapshot)
 
-    def _reconcile(self, body: dict, reason: str, caps: Optional[D.Capabilities] = None,
+    @staticmethod
+    def parked(body: dict) -> bool:
+        """Whether a child of this generation was refused as invalid: the same objects would be refused
+        again, so nothing is sent (and nothing written) until the spec, and so the generation, changes."""
+        c = degraded_condition(body.get("status") or {})
+        gen = body["metadata"].get("generation")
+        return bool(c and c.get("reason") == "ChildRejected" and gen is not None
+                    and c.get("observedGeneration") == gen)
+
+    def _reconcile(self, body: dict, caps: Optional[D.Capabilities] = None,
                    snapshot: Optional[dict[str, dict]] = None) -> Result:
         res = Result()
         md = body["metadata"]
@@ -122,9 +191,7 @@ class Reconciler:
             res.problems = e.problems
             msg = "; ".join(f"{p}: {m}" for p, m in e.problems)
             st = self._status(old_status, generation, None, degraded=("InvalidSpec", msg))
-            res.status_written = self._write_status(ns, name, old_status, st)
-            if res.status_written:
-                self.event(body, "InvalidSpec", msg, "Warning")
+            res.status_written = self._write_status(ns, name, old_status, st, body)
             return res
         if pool.metadata.namespace is None:
             pool.metadata.namespace = ns
@@ -151,9 +218,18 @@ class Reconciler:
                 path = path_of(obj)
                 have = get(path)
                 if D.needs_apply(obj, have):
-                    have = self.kube.apply(path, obj)
+                    try:
+                        have = self.kube.apply(path, obj)
+                    except KubeError as e:
+                        if not is_permanent(e):
+                            raise
+                        # the rest may still be valid: apply them, report this one
+                        res.rejected.append((f"{obj['kind']}/{obj['metadata']['name']}", e.message))
+                        continue
                     res.applied.append(f"{obj['kind']}/{obj['metadata']['name']}")
                     self.stats["applies"] += 1
+                    if obj["kind"] == "InferencePool":
+                        self._drop_other_gie(obj["apiVersion"], ns, name, md.get("uid"), res)
                 else:
                     res.unchanged += 1
                 if obj["kind"] == "Deployment":
@@ -171,16 +247,56 @@ class Reconciler:
             res.error = str(e)
             st = self._status(old_status, generation, None, degraded=("ApplyFailed", str(e)[:500]))
             try:
-                self._write_status(ns, name, old_status, st)
+                self._write_status(ns, name, old_status, st, body)
             except KubeError:
                 pass
             raise
         if res.applied:
-            verb = {"create": "Created", "update": "Updated", "resume": "Repaired"}.get(reason, "Reconciled")
+            # From the state, not from what woke the pass: whoever runs it, a change gets one verb.
+            seen = old_status.get("observedGeneration")
+            verb = "Created" if seen is None else "Updated" if seen != generation else "Repaired"
             self.event(body, verb, f"applied {len(res.applied)} object(s): {', '.join(res.applied)}")
-        st = self._status(old_status, generation, deployments)
-        res.status_written = self._write_status(ns, name, old_status, st)
+        degraded = None
+        if res.rejected:
+            child, msg = res.rejected[0]
+            more = f" (and {len(res.rejected) - 1} more)" if len(res.rejected) > 1 else ""
+            degraded = ("ChildRejected", f"{child} was rejected by the API server{more}: {_one_line(msg, 500)}")
+        else:
+            try:
+                pods = self._pods(ns, name, snapshot)
+            except KubeError as e:  # status is best effort here; the next pass reads them again
+                log.warning("pods of %s/%s: %s", ns, name, e)
+                pods = None
+            if pods is not None:
+                failing = [f"{role}: {why}" for role in S.ROLES
+                           if (why := pod_problem([p for p in pods
+                                                   if p["metadata"].get("labels", {}).get(D.LABEL_ROLE) == role]))]
+                if failing:
+                    degraded = ("PodsFailing", "; ".join(failing))
+        st = self._status(old_status, generation, deployments, degraded=degraded)
+        res.status_written = self._write_status(ns, name, old_status, st, body)
         return res
+
+    def _drop_other_gie(self, keep: str, ns: str, name: str, uid: Optional[str], res: Result) -> None:
+        """Delete this pool's GIE InferencePool in the other served version: when the GA v1 CRD
+        appears next to x-k8s v1alpha2, the pool moves to v1 and leaves no twin behind. Run only when
+        the wanted one is applied, so a steady pass costs no extra reads."""
+        for gv in GIE_VERSIONS:
+            if gv == keep or not self.kube.has(gv, "inferencepools", ttl=10):
+                continue
+            path = object_path(gv, "inferencepools", ns, name)
+            g = self.kube.get(path)
+            if g is not None and any(r.get("uid") == uid for r in g["metadata"].get("ownerReferences", [])):
+                self.kube.delete(path)
+                res.applied.append(f"-InferencePool/{name} ({gv})")
+
+    def _pods(self, ns: str, name: str, snapshot: Optional[dict[str, dict]]) -> list[dict]:
+        if snapshot is not None:
+            return [o for p, o in snapshot.items() if p.startswith(f"/api/v1/namespaces/{ns}/pods/")
+                    and o["metadata"].get("labels", {}).get(D.LABEL_POOL) == name]
+        doc = self.kube.request("GET", object_path("v1", "pods", ns),
+                                query={"labelSelector": f"{D.LABEL_POOL}={name}"})
+        return (doc or {}).get("items", [])
 
     # ---- status ---------------------------------------------------------------------------------
     @staticmethod
@@ -229,6 +345,9 @@ class Reconciler:
                 conds["Ready"] = ("False", degraded[0], degraded[1])
             conds["Progressing"] = ("False", degraded[0], "not reconciled")
         conds["Degraded"] = ("True", *degraded) if degraded else ("False", "Reconciled", "spec is valid and applied")
+        # One line for `kubectl get tpool` (the STATUS column): why it is broken, else where it stands.
+        st["message"] = (f"{degraded[0]}: {degraded[1]}" if degraded else
+                         "ready" if conds["Ready"][0] == "True" else conds["Ready"][2])
         prev = {c.get("type"): c for c in old.get("conditions", [])}
         out = []
         for t in ("Ready", "Progressing", "Degraded"):
@@ -245,7 +364,8 @@ class Reconciler:
                 st[k] = old[k]
         return st
 
-    def _write_status(self, ns: str, name: str, old: dict, new: dict) -> bool:
+    def _write_status(self, ns: str, name: str, old: dict, new: dict, body: dict) -> bool:
+        """Patch status when it changed; post one Warning event when Degraded turns True or changes."""
         keys = set(new)
         if {k: old.get(k) for k in keys} == new:
             return False
@@ -255,6 +375,9 @@ class Reconciler:
             if e.status == 404:
                 return False
             raise
+        was, now_ = degraded_condition(old), degraded_condition(new)
+        if now_ and (not was or (was.get("reason"), was.get("message")) != (now_["reason"], now_["message"])):
+            self.event(body, now_["reason"], now_["message"], "Warning")
         return True
 
 

@@ -114,6 +114,21 @@ Quantity = Annotated[str, BeforeValidator(_to_quantity_str), AfterValidator(_che
                                               "pattern": QUANTITY_PATTERN})]
 
 NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"   # RFC 1123 label
+#: A pool's name: its Services are <name>-prefill, <name>-decode and <name>-router, and a Service's name
+#: must be an RFC 1035 label (it starts with a letter); 40 leaves room for the suffixes and pod names.
+POOL_NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+POOL_NAME_MAX = 40
+
+
+def pool_name_problems(name: str) -> list[tuple[str, str]]:
+    """Whether every child of a pool with this name can be made; (field path, message) pairs."""
+    if not re.match(POOL_NAME_PATTERN, name):
+        return [("metadata.name", f"{name!r} cannot name the pool's Services (<name>-router ...): use "
+                                  "lowercase letters, digits and '-', starting with a letter and ending "
+                                  "with a letter or digit")]
+    if len(name) > POOL_NAME_MAX:
+        return [("metadata.name", f"must be at most {POOL_NAME_MAX} characters (children append -prefill etc.)")]
+    return []
 MODEL_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$"
 IMAGE_PATTERN = r"^[^\s]+$"
 
@@ -209,18 +224,30 @@ class ScalingRule(_Model):
     periodSeconds: int = Field(60, ge=1, le=1800, description="Length of the period maxStep applies to.")
 
 
-def _default_scale_up() -> "ScalingRule":
-    return ScalingRule(stabilizationWindowSeconds=0, maxStep=2, periodSeconds=30)
+# Each direction is its own model with its own per-field defaults, so a partial rule (say
+# `scaleDown: {maxStep: 2}`) keeps the other fields' defaults of that direction, in pydantic and in the
+# generated CRD schema alike (the API server fills absent fields from the properties' defaults, not
+# from the parent object's default).
+class ScaleUpRule(ScalingRule):
+    """Limits on scaling up (defaults: act at once, at most 2 replicas per 30 s)."""
+    stabilizationWindowSeconds: int = Field(0, ge=0, le=3600, description=(
+        "Recommendations are held this long before acting (the most conservative one in the window wins)."))
+    maxStep: int = Field(2, ge=1, le=1000, description="Most replicas added per period.")
+    periodSeconds: int = Field(30, ge=1, le=1800, description="Length of the period maxStep applies to.")
 
 
-def _default_scale_down() -> "ScalingRule":
-    return ScalingRule(stabilizationWindowSeconds=300, maxStep=1, periodSeconds=60)
+class ScaleDownRule(ScalingRule):
+    """Limits on scaling down (defaults: a 300 s window, at most 1 replica per 60 s)."""
+    stabilizationWindowSeconds: int = Field(300, ge=0, le=3600, description=(
+        "Recommendations are held this long before acting (the most conservative one in the window wins)."))
+    maxStep: int = Field(1, ge=1, le=1000, description="Most replicas removed per period.")
+    periodSeconds: int = Field(60, ge=1, le=1800, description="Length of the period maxStep applies to.")
 
 
 class ScalingBehavior(_Model):
     """Anti-flapping limits, separately for scaling up and down."""
-    scaleUp: ScalingRule = Field(default_factory=_default_scale_up, description="Limits on scaling up.")
-    scaleDown: ScalingRule = Field(default_factory=_default_scale_down, description="Limits on scaling down.")
+    scaleUp: ScaleUpRule = Field(default_factory=ScaleUpRule, description="Limits on scaling up.")
+    scaleDown: ScaleDownRule = Field(default_factory=ScaleDownRule, description="Limits on scaling down.")
 
 
 class RoleAutoscaling(_Model):
@@ -331,7 +358,7 @@ class InferencePoolSpec(_Model):
 class ObjectMeta(BaseModel):
     """The parts of metadata the spec reads; everything else is kept."""
     model_config = ConfigDict(extra="allow")
-    name: str = Field(pattern=NAME_PATTERN, max_length=40)
+    name: str = Field(pattern=POOL_NAME_PATTERN, max_length=POOL_NAME_MAX)
     namespace: Optional[str] = Field(None, pattern=NAME_PATTERN, max_length=63)
     labels: dict[str, str] = Field(default_factory=dict)
     annotations: dict[str, str] = Field(default_factory=dict)

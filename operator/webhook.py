@@ -5,11 +5,17 @@ so the CA and serving certificate are made with `cryptography` and handed to Kop
 Where a Secret name is given, the pair is kept in that Secret, so every replica (and every restart)
 serves the same CA and the managed ValidatingWebhookConfiguration's caBundle stays put.
 
-`ServiceWebhookServer` makes Kopf register the webhook by Service reference (namespace/name/port)
+`ServiceWebhookServer` makes the webhook registered by Service reference (namespace/name/port)
 instead of by URL: the apiserver reaches it through the Service's endpoints.
+
+`ManagedConfiguration` writes the ValidatingWebhookConfiguration itself instead of letting Kopf do
+it: Kopf hard-codes `timeoutSeconds: 30`, so a frozen operator would hold every `kubectl apply` of a
+pool for 30 s. Ours is fail-open (`failurePolicy: Ignore`) with a short timeout; the reconciler checks
+the same rules and reports an admitted invalid pool as Degraded/InvalidSpec.
 """
 from __future__ import annotations
 
+import asyncio
 import base64
 import datetime as dt
 import ipaddress
@@ -24,6 +30,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from . import spec as S
 from .kube import Kube, KubeError, object_path
 
 log = logging.getLogger("tandem.operator.webhook")
@@ -113,3 +120,71 @@ class ServiceWebhookServer(kopf.WebhookServer):
             if "caBundle" in cfg:
                 out["caBundle"] = cfg["caBundle"]
             yield out
+
+
+#: Seconds the API server waits for the webhook before ignoring it (fail-open).
+WEBHOOK_TIMEOUT_SECONDS = 5
+VWC_API = "admissionregistration.k8s.io/v1"
+
+
+def webhook_configuration(name: str, client_config: dict, handler_id: str,
+                          timeout_seconds: int = WEBHOOK_TIMEOUT_SECONDS) -> dict:
+    """The ValidatingWebhookConfiguration `name` for the pool webhook `handler_id` (Kopf serves each
+    handler at /<id>). An empty `client_config` gives an empty webhook list (the operator stopped)."""
+    hooks = []
+    if client_config:
+        cc = {k: v for k, v in client_config.items() if k in ("service", "url", "caBundle")}
+        if "service" in cc:
+            svc = dict(cc["service"])
+            svc["path"] = f"{(svc.get('path') or '').rstrip('/')}/{handler_id}"
+            cc["service"] = svc
+        else:
+            cc["url"] = f"{cc['url'].rstrip('/')}/{handler_id}"
+        hooks.append({
+            "name": f"{handler_id}.{name}",
+            "sideEffects": "None",
+            "failurePolicy": "Ignore",
+            "matchPolicy": "Equivalent",
+            "rules": [{"apiGroups": [S.GROUP], "apiVersions": [S.VERSION], "resources": [S.PLURAL],
+                       "operations": ["CREATE", "UPDATE"], "scope": "Namespaced"}],
+            "clientConfig": cc,
+            "timeoutSeconds": timeout_seconds,
+            "admissionReviewVersions": ["v1", "v1beta1"],
+        })
+    return {"apiVersion": VWC_API, "kind": "ValidatingWebhookConfiguration",
+            "metadata": {"name": name, "labels": {"app.kubernetes.io/managed-by": "tandem-operator"}},
+            "webhooks": hooks}
+
+
+class ManagedConfiguration:
+    """Wraps a Kopf webhook server: each client config it yields (its address and CA, once it
+    listens) is written to the ValidatingWebhookConfiguration `name`; when the operator stops, the
+    webhook list is emptied. Use with `settings.admission.managed = None`."""
+
+    def __init__(self, server, name: str, handler_id: str, kube_factory=Kube,
+                 timeout_seconds: int = WEBHOOK_TIMEOUT_SECONDS):
+        self.server = server
+        self.name = name
+        self.handler_id = handler_id
+        self.kube_factory = kube_factory
+        self.timeout_seconds = timeout_seconds
+
+    def _write(self, client_config: dict) -> None:
+        obj = webhook_configuration(self.name, client_config, self.handler_id, self.timeout_seconds)
+        self.kube_factory().apply(object_path(VWC_API, "validatingwebhookconfigurations", None, self.name), obj)
+
+    async def __call__(self, fn) -> AsyncIterator[kopf.WebhookClientConfig]:
+        written = False
+        try:
+            async for cfg in self.server(fn):
+                await asyncio.to_thread(self._write, dict(cfg))
+                written = True
+                log.info("webhook configuration %s: failurePolicy Ignore, timeoutSeconds %d",
+                         self.name, self.timeout_seconds)
+                yield cfg
+        finally:
+            if written:  # fail-open on a clean stop, as Kopf's non-persistent webhooks are
+                try:
+                    self._write({})
+                except Exception as e:  # noqa: BLE001 - stopping; the Ignore policy covers it
+                    log.warning("emptying webhook configuration %s: %s", self.name, e)

@@ -127,6 +127,20 @@ async def _serve_router(args, cfg) -> None:
     await _run_site(router.app(), args.host, args.port, on_signal)
 
 
+def _write_termination_message(message: str) -> None:
+    """Write a fatal error where Kubernetes reads it (the container's terminationMessagePath, named by
+    TANDEM_TERMINATION_LOG): the kubelet reports it in the pod's lastState.terminated.message and
+    the operator shows it in the pool's status. At most 4096 bytes are read, so the message is trimmed."""
+    path = os.environ.get("TANDEM_TERMINATION_LOG")
+    if not path:
+        return
+    try:
+        with open(path, "w") as f:
+            f.write(message[:4000])
+    except OSError as e:  # not on Kubernetes, or no such mount: the log has it anyway
+        log.debug("termination message not written to %s: %s", path, e)
+
+
 def _serve(args) -> int:
     from tandem.operator.spec import SpecError, load_worker_config
 
@@ -134,10 +148,15 @@ def _serve(args) -> int:
         cfg = load_worker_config(args.config)
     except (OSError, SpecError) as e:
         print(f"error: {args.config}: {e}", file=sys.stderr)
+        _write_termination_message(f"{args.config}: {e}")
         return 2
     exit_with_parent()
     main = _serve_router if args.role == "router" else _serve_worker
-    asyncio.run(main(args, cfg))
+    try:
+        asyncio.run(main(args, cfg))
+    except Exception as e:
+        _write_termination_message(f"{args.role}: {type(e).__name__}: {e}")
+        raise
     return 0
 
 

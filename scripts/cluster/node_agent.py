@@ -16,11 +16,19 @@ Run as root (it makes network namespaces). What it does, and what it deliberatel
   the in-cluster mount a kubelet would make.
 - Reports readiness from the readiness probe (httpGet or tcpSocket; the probe period is capped at
   --max-probe-period seconds to keep tests fast), which lets the endpoints controller fill Endpoints.
-  A process that exits is restarted (restartPolicy Always) with restartCount incremented.
+  A process that exits is restarted (restartPolicy Always) as a kubelet does: the container reports
+  `lastState.terminated` (exit code, reason, times and the termination message: the file at
+  terminationMessagePath, or with FallbackToLogsOnError the log's tail), waits in CrashLoopBackOff
+  for a back-off that doubles from --backoff-base up to --backoff-max seconds (the kubelet's 10 s and
+  300 s, shortened for tests; it is reset after 60 s of running), then restarts with restartCount + 1.
+  The back-off never blocks the agent's loop. The process finds its terminationMessagePath through
+  the env value that names it (rewritten like a mount path, since there is no mount namespace).
 - On deletion: runs the preStop hook (httpGet or exec), sends SIGTERM, waits out the grace period,
   sends SIGKILL, removes the namespace and finally deletes the Pod object (as a kubelet does).
+- hostPath and persistentVolumeClaim volumes (a PVC bound to a hostPath PersistentVolume) are bind
+  mounts at their mountPath in the pod's own mount namespace (read-only where the mount says so).
 - Not done: liveness-probe restarts, init/sidecar containers, resource limits, images, volumes other
-  than configMap/secret/emptyDir.
+  than configMap/secret/emptyDir/hostPath/persistentVolumeClaim.
 """
 from __future__ import annotations
 
@@ -84,6 +92,10 @@ class PodRunner:
         self.done = False
         self.lock = threading.Lock()
         self.last_status: str | None = None
+        self.last_terminated: dict | None = None
+        self.next_start: float | None = None    # set while waiting out a crash back-off
+        self.backoff = 0.0
+        self.launched_at = 0.0
 
     # ---- setup --------------------------------------------------------------------------------
     def setup_network(self) -> None:
@@ -103,15 +115,37 @@ class PodRunner:
         sh("ip", "netns", "delete", self.netns, check=False)
         sh("ip", "link", "delete", self.veth_host, check=False)
 
+    def _pv_path(self, claim: str) -> str:
+        """The host directory behind a PersistentVolumeClaim (bound to a hostPath PersistentVolume)."""
+        pvc = self.agent.core.read_namespaced_persistent_volume_claim(claim, self.ns)
+        if pvc.status is None or pvc.status.phase != "Bound" or not pvc.spec.volume_name:
+            raise RuntimeError(f"PersistentVolumeClaim {self.ns}/{claim} is not bound yet")
+        pv = self.agent.core.read_persistent_volume(pvc.spec.volume_name)
+        if pv.spec.host_path is None:
+            raise RuntimeError(f"PersistentVolume {pv.metadata.name}: only hostPath volumes are supported")
+        return pv.spec.host_path.path
+
     def _volumes(self) -> dict[str, str]:
-        """Write configMap/secret/emptyDir volumes to disk; return {mountPath: local dir}."""
+        """Write configMap/secret/emptyDir volumes to disk; return {mountPath: local dir}. hostPath and
+        persistentVolumeClaim volumes become bind mounts in the pod's own mount namespace (self.binds),
+        so the process reads them at their mountPath, as in a container."""
         spec = self.pod.spec
         c = spec.containers[0]
         local: dict[str, str] = {}
+        self.binds: list[tuple[str, str, bool]] = []
         vols = {v.name: v for v in (spec.volumes or [])}
         for m in c.volume_mounts or []:
             v = vols.get(m.name)
             if v is None:
+                continue
+            if v.host_path is not None or v.persistent_volume_claim is not None:
+                src = v.host_path.path if v.host_path is not None else self._pv_path(
+                    v.persistent_volume_claim.claim_name)
+                if m.sub_path:
+                    src = os.path.join(src, m.sub_path)
+                ro = bool(m.read_only or (v.persistent_volume_claim is not None
+                                          and v.persistent_volume_claim.read_only))
+                self.binds.append((src, m.mount_path, ro))
                 continue
             d = self.dir / "volumes" / m.name
             d.mkdir(parents=True, exist_ok=True)
@@ -157,6 +191,10 @@ class PodRunner:
         self.setup_network()
         c = self.pod.spec.containers[0]
         self.mounts = self._volumes()
+        # The kubelet mounts a file at terminationMessagePath; here the path is rewritten to a file of
+        # the pod's folder wherever the command, args or env name it.
+        self.term_file = self.dir / "termination-log"
+        self.mounts[(c.termination_message_path or "/dev/termination-log").rstrip("/")] = str(self.term_file)
 
         mps = sorted(self.mounts, key=len, reverse=True)
         pat = re.compile(r"(^|=)(" + "|".join(re.escape(m) for m in mps) + r")(?=/|$)") if mps else None
@@ -184,15 +222,64 @@ class PodRunner:
             self.argv = ["sleep", "infinity"]
 
     def launch(self) -> None:
+        self.term_file.write_bytes(b"")
         out = open(self.dir / "container.log", "ab")
+        self.log_offset = out.tell()
         out.write(f"--- start {now()}: {shlex.join(self.argv)}\n".encode())
         out.flush()
-        self.proc = subprocess.Popen(["ip", "netns", "exec", self.netns, *self.argv], stdout=out,
+        self.proc = subprocess.Popen(["ip", "netns", "exec", self.netns, *self._with_binds(self.argv)], stdout=out,
                                      stderr=subprocess.STDOUT, env=self.env, cwd=str(self.dir),
                                      start_new_session=True)
         (self.dir / "pid").write_text(str(self.proc.pid))
         self.started_at = now()
+        self.launched_at = time.time()
         self.ready = False
+        self.next_start = None
+
+    def _with_binds(self, argv: list[str]) -> list[str]:
+        """argv run in a private mount namespace with the bind mounts made first (same PID: exec)."""
+        if not self.binds:
+            return argv
+        steps = ["set -e"]
+        for src, dst, ro in self.binds:
+            q, qd = shlex.quote(src), shlex.quote(dst)
+            # the mount point is made on the host's file system (an empty directory or file is left)
+            steps.append(f"mkdir -p {qd}" if os.path.isdir(src) else
+                         f"mkdir -p {shlex.quote(os.path.dirname(dst))}; [ -e {qd} ] || touch {qd}")
+            steps.append(f"mount --bind {q} {qd}")
+            if ro:
+                steps.append(f"mount -o remount,bind,ro {qd}")
+        steps.append('exec "$@"')
+        return ["unshare", "--mount", "--propagation", "private", "sh", "-c", "; ".join(steps), "sh", *argv]
+
+    def _termination_message(self, code: int) -> str:
+        """The kubelet's rule: the terminationMessagePath file (at most 4096 bytes); when it is empty,
+        the policy is FallbackToLogsOnError and the container failed, the log's last 80 lines or
+        2048 bytes, whichever is smaller."""
+        msg = self.term_file.read_bytes()[:4096].decode(errors="replace") if self.term_file.exists() else ""
+        c = self.pod.spec.containers[0]
+        if not msg.strip() and code != 0 and c.termination_message_policy == "FallbackToLogsOnError":
+            with open(self.dir / "container.log", "rb") as f:
+                f.seek(self.log_offset)
+                lines = f.read().decode(errors="replace").splitlines()[1:]  # not our "--- start" line
+            msg = "\n".join(lines[-80:])[-2048:]
+        return msg
+
+    def _exited(self) -> None:
+        """Record the exit as lastState.terminated and schedule the restart after the back-off."""
+        code = self.proc.returncode
+        if code < 0:  # killed by a signal: the shell's convention, as container runtimes report it
+            code = 128 - code
+        self.last_terminated = {"exitCode": code, "reason": "Completed" if code == 0 else "Error",
+                                "startedAt": self.started_at, "finishedAt": now(),
+                                "containerID": f"process://{self.proc.pid}"}
+        msg = self._termination_message(code)
+        if msg:
+            self.last_terminated["message"] = msg
+        ran = time.time() - self.launched_at
+        a = self.agent
+        self.backoff = a.backoff_base if ran > 60 or not self.backoff else min(self.backoff * 2, a.backoff_max)
+        self.next_start = time.time() + self.backoff
 
     # ---- probes -------------------------------------------------------------------------------
     def _probe(self, probe) -> bool:
@@ -229,10 +316,13 @@ class PodRunner:
         if self.terminating or self.done:
             return
         if self.proc is not None and self.proc.poll() is not None:
+            if self.next_start is None:
+                self.ready = False
+                self._exited()
+            if time.time() < self.next_start:
+                self.report()
+                return
             self.restarts += 1
-            self.ready = False
-            self.report()
-            time.sleep(min(self.restarts, 5))
             self.launch()
         c = self.pod.spec.containers[0]
         probe = c.readiness_probe
@@ -245,13 +335,15 @@ class PodRunner:
     def report(self) -> None:
         c = self.pod.spec.containers[0]
         running = self.proc is not None and self.proc.poll() is None
-        key = json.dumps([running, self.ready, self.restarts])
+        key = json.dumps([running, self.ready, self.restarts, self.last_terminated, self.next_start is None])
         if key == self.last_status:
             return
         t = now()
         ready = "True" if self.ready else "False"
         state = ({"running": {"startedAt": self.started_at}} if running else
-                 {"waiting": {"reason": "CrashLoopBackOff"}})
+                 {"waiting": {"reason": "CrashLoopBackOff", "message": (
+                     f"back-off {self.backoff:g}s restarting failed container={c.name} pod={self.name}_{self.ns}"
+                     f"({self.uid})")}})
         status = {"phase": "Running", "hostIP": self.agent.host_ip, "podIP": self.ip, "podIPs": [{"ip": self.ip}],
                   "startTime": self.started_at,
                   "conditions": [{"type": "Initialized", "status": "True", "lastTransitionTime": t},
@@ -260,7 +352,9 @@ class PodRunner:
                                  {"type": "PodScheduled", "status": "True", "lastTransitionTime": t}],
                   "containerStatuses": [{"name": c.name, "image": c.image or "", "imageID": "",
                                          "ready": self.ready, "restartCount": self.restarts,
-                                         "started": running, "state": state}]}
+                                         "started": running, "state": state,
+                                         **({"lastState": {"terminated": self.last_terminated}}
+                                            if self.last_terminated else {})}]}
         try:
             self.agent.core.patch_namespaced_pod_status(self.name, self.ns, {"status": status})
             self.last_status = key
@@ -384,7 +478,8 @@ class Forwarder:
 
 class Agent:
     def __init__(self, kubeconfig: str, subnet: str, bridge: str, node: str, workdir: str,
-                 max_probe_period: float, path_prepend: list[str] | None = None):
+                 max_probe_period: float, path_prepend: list[str] | None = None,
+                 backoff_base: float = 1.0, backoff_max: float = 16.0):
         config.load_kube_config(kubeconfig)
         self.api = client.ApiClient()
         self.core = client.CoreV1Api(self.api)
@@ -397,6 +492,7 @@ class Agent:
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.max_probe_period = max_probe_period
+        self.backoff_base, self.backoff_max = backoff_base, backoff_max
         self.path_prepend = [p for p in (path_prepend or []) if p]
         self.pods: dict[str, PodRunner] = {}
         self.free_idx = list(range(2, 255))
@@ -547,9 +643,14 @@ def main() -> int:
     ap.add_argument("--max-probe-period", type=float, default=1.0)
     ap.add_argument("--path-prepend", action="append", default=[],
                     help="directories put first on the pods' PATH (e.g. a mock's bin directory)")
+    ap.add_argument("--backoff-base", type=float, default=1.0,
+                    help="first crash back-off in seconds (the kubelet's is 10)")
+    ap.add_argument("--backoff-max", type=float, default=16.0,
+                    help="longest crash back-off in seconds (the kubelet's is 300)")
     a = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    agent = Agent(a.kubeconfig, a.subnet, a.bridge, a.node, a.workdir, a.max_probe_period, a.path_prepend)
+    agent = Agent(a.kubeconfig, a.subnet, a.bridge, a.node, a.workdir, a.max_probe_period, a.path_prepend,
+                  a.backoff_base, a.backoff_max)
     agent.setup_bridge()
     signal.signal(signal.SIGTERM, lambda *_: agent.stopping.set())
     signal.signal(signal.SIGINT, lambda *_: agent.stopping.set())

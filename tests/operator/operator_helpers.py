@@ -95,12 +95,14 @@ class Operator:
         hooks = json.loads(r.stdout).get("webhooks") or []
         return bool(hooks) and all(h.get("clientConfig", {}).get("caBundle") for h in hooks)
 
-    def logs(self) -> str:
+    def logs(self, tail: int | None = 6000) -> str:
+        """Every operator pod's log so far (the last `tail` characters of each; None: all of it)."""
         out = []
         for d in sorted((self.c.dir / "pods").glob(f"{OPERATOR_NS}_*")):
             f = d / "container.log"
             if f.exists():
-                out.append(f"--- {d.name}\n" + f.read_text()[-6000:])
+                text = f.read_text()
+                out.append(f"--- {d.name}\n" + (text if tail is None else text[-tail:]))
         return "\n".join(out)
 
     def pid(self) -> int | None:
@@ -149,3 +151,46 @@ def condition(pool: dict, ctype: str) -> dict | None:
         if cnd.get("type") == ctype:
             return cnd
     return None
+
+
+class AuditLog:
+    """The apiserver's audit log (one JSON event per line, stage ResponseComplete), read from a mark
+    on: `m = audit.mark(); ...; audit.events(m, user=OPERATOR_SA)`."""
+
+    def __init__(self, cluster: Cluster):
+        self.path = Path(cluster.audit_log)
+
+    def mark(self) -> int:
+        return self.path.stat().st_size
+
+    def events(self, since: int = 0, user: str | None = None) -> list[dict]:
+        with open(self.path, "rb") as f:
+            f.seek(since)
+            lines = f.read().decode(errors="replace").splitlines()
+        out = []
+        for ln in lines:
+            try:
+                ev = json.loads(ln)
+            except ValueError:  # a line being written
+                continue
+            if user is None or ev.get("user", {}).get("username") == user:
+                out.append(ev)
+        return out
+
+    def writes(self, since: int, user: str, resource: str, name_prefix: str = "", namespace: str | None = None,
+               subresource: str | None = "*") -> list[str]:
+        """'verb resource/name[/sub]' of each create/update/patch/delete by `user` since the mark."""
+        out = []
+        for ev in self.events(since, user):
+            ref = ev.get("objectRef") or {}
+            if ev.get("verb") not in ("create", "update", "patch", "delete"):
+                continue
+            if ref.get("resource") != resource or not (ref.get("name") or "").startswith(name_prefix):
+                continue
+            if namespace is not None and ref.get("namespace") != namespace:
+                continue
+            if subresource != "*" and ref.get("subresource") != subresource:
+                continue
+            out.append(f"{ev['verb']} {resource}/{ref.get('name')}" + (f"/{ref['subresource']}"
+                                                                     if ref.get("subresource") else ""))
+        return out

@@ -347,6 +347,22 @@ def test_optional_children_only_where_their_crds_exist(cluster, operator, helm_b
     patch_pool(cluster, {"spec": {"gateway": None}}, ns="gw", name="withepp")
     wait_for(lambda: kget(cluster, "inferencepools.inference.networking.x-k8s.io", "withepp", ns="gw") is None, 60,
              "GIE InferencePool removed")
+    # the GA API (inference.networking.k8s.io/v1) is preferred where it is served
+    cluster.kubectl("apply", "-f", str(ROOT / "tests/operator/standin_gie_v1.yaml"))
+    cluster.kubectl("wait", "--for=condition=established", "--timeout=60s",
+                    "crd/inferencepools.inference.networking.k8s.io")
+    patch_pool(cluster, {"spec": {"gateway": {"endpointPickerRef": {"name": "epp", "port": 9002}}}}, ns="gw",
+               name="withepp")
+    gie = wait_for(lambda: kget(cluster, "inferencepools.inference.networking.k8s.io", "withepp", ns="gw"), 90,
+                   "GIE v1 InferencePool")
+    assert gie["spec"]["selector"] == {"matchLabels": {"serving.tandem.dev/pool": "withepp",
+                                                       "serving.tandem.dev/role": "router"}}, gie["spec"]
+    assert gie["spec"]["targetPorts"] == [{"number": 8000}]
+    assert gie["spec"]["endpointPickerRef"]["name"] == "epp" and gie["spec"]["endpointPickerRef"]["port"] == {
+        "number": 9002}
+    # a v1alpha2 object made while the v1 CRD was not yet seen (discovery is cached 10 s) is removed
+    wait_for(lambda: kget(cluster, "inferencepools.inference.networking.x-k8s.io", "withepp", ns="gw") is None, 60,
+             "no v1alpha2 twin")
     # with the CRD present, the chart's own ServiceMonitor also passes a server dry run
     r = cluster.kubectl("apply", "--dry-run=server", "-f", "-",
                         input=render_chart(helm_bin, "metrics.serviceMonitor.enabled=true"), check=False)

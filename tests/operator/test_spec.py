@@ -105,3 +105,27 @@ def test_worker_config_roundtrip(tmp_path):
                                                      "decode": ["http://127.0.0.1:2"]})
     assert local.discovery["mode"] == "static"
     assert worker_config(pool, "decode").discovery is None
+
+
+def _crd_props(*path: str) -> dict:
+    s = yaml.safe_load((ROOT / "crds/inferencepool.yaml").read_text())["spec"]["versions"][0]["schema"][
+        "openAPIV3Schema"]
+    for k in path:
+        s = s["properties"][k]
+    return s["properties"]
+
+
+@pytest.mark.parametrize("direction,given,want", [
+    ("scaleDown", {"maxStep": 2}, {"stabilizationWindowSeconds": 300, "maxStep": 2, "periodSeconds": 60}),
+    ("scaleUp", {"periodSeconds": 10}, {"stabilizationWindowSeconds": 0, "maxStep": 2, "periodSeconds": 10}),
+])
+def test_partial_behavior_keeps_each_fields_default(direction, given, want):
+    """Issue #13 finding 5: `scaleDown: {maxStep: 2}` must keep the 300 s window, in the code and in
+    the CRD schema (the API server fills the absent fields from the schema's per-field defaults)."""
+    d = yaml.safe_load((ROOT / "examples/llama3-8b-autoscaled.yaml").read_text())
+    d["spec"]["decode"]["autoscaling"]["behavior"] = {direction: given}
+    got = getattr(load_manifest(d).spec.decode.autoscaling.behavior, direction).model_dump()
+    assert got == want
+    props = _crd_props("spec", "decode", "autoscaling", "behavior", direction)
+    assert {k: props[k]["default"] for k in want if k not in given} == {k: v for k, v in want.items()
+                                                                       if k not in given}
