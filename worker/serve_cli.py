@@ -47,8 +47,8 @@ def model_source(cfg) -> str:
 
 
 def engine_config(cfg):
-    """The :class:`EngineConfig` of a worker config file (``tandem.operator.spec.WorkerConfig``)."""
-    from tandem.operator.spec import kv_cache_bytes
+    """The :class:`EngineConfig` of a worker config file (:class:`tandem.worker.api.config.WorkerConfig`)."""
+    from tandem.worker.api.config import kv_cache_bytes
     from tandem.worker.engine.config import EngineConfig
 
     model = model_source(cfg)
@@ -142,7 +142,7 @@ def _write_termination_message(message: str) -> None:
 
 
 def _serve(args) -> int:
-    from tandem.operator.spec import SpecError, load_worker_config
+    from tandem.worker.api.config import SpecError, load_worker_config
 
     try:
         cfg = load_worker_config(args.config)
