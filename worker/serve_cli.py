@@ -84,6 +84,11 @@ async def _serve_worker(args, cfg) -> None:
     from tandem.worker.server.app import WorkerServer
     from tandem.worker.transfer.tcp import KVTransferServer
 
+    if cfg.engine.attentionBackend == "flash-attn":
+        # before the model load: a pod without flash-attn then crash-loops in seconds, and its
+        # termination message names the backend rather than whatever loading met first
+        from tandem.kernels import flash
+        flash.require()
     engine = LLMEngine(engine_config(cfg))
     aengine = AsyncEngine(engine)
     aengine.start()
