@@ -177,13 +177,17 @@ class WorkerServer:
             self.in_flight -= 1
 
     async def _collect(self, builder, first, gen, timer):
-        """The whole answer as one JSON body; returns ``(response, last output)``."""
+        """The whole answer as one JSON body; returns ``(response, last output)``, or ``(500, None)``
+        when the engine died on the way."""
         samples, out = [], first
-        async with contextlib.aclosing(_chain(first, gen)) as outs:
-            async for out in outs:
-                if out.new_text:
-                    timer.tick()
-                samples += out.logprobs
+        try:
+            async with contextlib.aclosing(_chain(first, gen)) as outs:
+                async for out in outs:
+                    if out.new_text:
+                        timer.tick()
+                    samples += out.logprobs
+        except EngineDead as e:
+            return json_error(str(e), 500), None
         resp = web.json_response(builder.full(out.text, out.finish_reason, out.num_output_tokens, samples))
         if timer.ttft is not None:
             resp.headers[TTFT_HEADER] = f"{timer.ttft:.6f}"
