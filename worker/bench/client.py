@@ -99,6 +99,8 @@ class Target:
             b["min_tokens"] = req.output_tokens
         if self.endpoint == "chat":
             b["messages"] = (history or []) + req.messages
+        elif req.prompt_token_ids is not None:
+            b["prompt"] = req.prompt_token_ids
         else:
             b["prompt"] = "\n\n".join(m["content"] for m in (history or []) + req.messages)
         return {**b, **self.extra_body}

@@ -30,6 +30,7 @@ class BenchRequest:
     turn: int = 0
     timestamp: float | None = None     # trace datasets: the intended send time (s)
     think_time: float = 0.0            # turns > 0: the pause after the previous answer (s)
+    prompt_token_ids: list[int] | None = None   # completions only: send token ids, for exact lengths
 
     def prompt_text(self) -> str:
         """The prompt of a completions request: the messages' contents, one after another."""
