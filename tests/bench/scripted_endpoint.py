@@ -24,8 +24,10 @@ DEFAULT = {"ttft": 0.05, "gaps": [0.01], "chunk_tokens": [1, 1]}
 
 
 class Double:
-    def __init__(self, script: dict, default: dict):
+    def __init__(self, script: dict, default: dict, capacity: int = 0):
         self.script, self.default = script, default
+        # capacity > 0: at most that many requests are served at once, the rest queue (a saturable server)
+        self.slots = asyncio.Semaphore(capacity) if capacity else None
         self.arrivals: list[tuple[str, float]] = []
         self.open = 0
         self.max_open = 0
@@ -35,15 +37,19 @@ class Double:
         self.open += 1
         self.max_open = max(self.max_open, self.open)
         try:
-            return await self._handle(request, t0)
+            if self.slots is None:
+                return await self._handle(request, t0)
+            async with self.slots:
+                return await self._handle(request, t0, time.monotonic())
         finally:
             self.open -= 1
 
-    async def _handle(self, request: web.Request, t0: float) -> web.StreamResponse:
+    async def _handle(self, request: web.Request, arrived: float, t0: float | None = None) -> web.StreamResponse:
         body = await request.json()
         chat = "messages" in body
         key = body["messages"][-1]["content"] if chat else body["prompt"]
-        self.arrivals.append((key, t0))
+        self.arrivals.append((key, arrived))
+        t0 = arrived if t0 is None else t0
         s = {**self.default, **self.script.get(key, {})}
         err = s.get("error")
 
@@ -101,7 +107,7 @@ class Double:
 
 async def main(args) -> None:
     spec = json.loads(open(args.script).read()) if args.script else {}
-    d = Double(spec.get("requests", {}), {**DEFAULT, **spec.get("default", {})})
+    d = Double(spec.get("requests", {}), {**DEFAULT, **spec.get("default", {})}, spec.get("capacity", 0))
     app = web.Application()
     app.router.add_post("/v1/chat/completions", d.handle)
     app.router.add_post("/v1/completions", d.handle)

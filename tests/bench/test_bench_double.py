@@ -19,6 +19,7 @@ from tandem.worker.bench.client import Target
 from tandem.worker.bench.datasets import BenchRequest, Dataset
 from tandem.worker.bench.metrics import summarize
 from tandem.worker.bench.runner import LoadShape, run
+from tandem.worker.bench.sweep import sweep
 
 pytestmark = pytest.mark.timeout(300)
 HERE = Path(__file__).parent
@@ -152,3 +153,23 @@ def test_closed_loop_holds_the_concurrency_and_has_no_send_lag(tmp_path):
     s = summarize(result)
     assert s["load"]["mode"] == "closed" and s["load"]["request_rate"] is None
     assert s["send_lag"]["count"] == 0 and "achieved_send_rate" not in s
+
+
+def test_sweep_stops_at_saturation_and_reports_the_best_rate(tmp_path):
+    # the double serves 2 requests at a time for ~0.1 s each: it saturates at ~20 requests/s
+    proc, url = start_double(tmp_path, {"capacity": 2,
+                                        "default": {"ttft": 0.06, "gaps": [0.02, 0.02], "chunk_tokens": [1, 1, 1]}})
+    try:
+        ds = dataset([f"s{i}" for i in range(20)], [3] * 20)
+
+        async def run_one(shape):
+            return await run(Target(url, "m"), ds, shape)
+
+        res = asyncio.run(sweep(run_one, [2.5, 5, 10, 40, 80, 160], LoadShape("poisson", seed=2), {"ttft": 0.3}))
+    finally:
+        stop(proc)
+    rates = [p["load"]["request_rate"] for p in res["points"]]
+    assert rates[:3] == [2.5, 5, 10] and len(rates) < 6, res["stopped"]
+    assert res["stopped"] and ("TTFT" in res["stopped"] or "throughput" in res["stopped"])
+    assert res["max_rate_meeting_slo"] in (5, 10)
+    assert max(p["request_throughput"] for p in res["points"]) < 21
