@@ -173,3 +173,6 @@ def test_sweep_stops_at_saturation_and_reports_the_best_rate(tmp_path):
     assert res["stopped"] and ("TTFT" in res["stopped"] or "throughput" in res["stopped"])
     assert res["max_rate_meeting_slo"] in (5, 10)
     assert max(p["request_throughput"] for p in res["points"]) < 21
+    from tandem.worker.bench.plots import sweep_plot
+    sweep_plot(res["points"], tmp_path / "sweep.png", "saturable test double")
+    assert (tmp_path / "sweep.png").stat().st_size > 10_000
