@@ -133,8 +133,12 @@ async def calibrate(base_url: str, model: str, prefill_sizes=(32, 64, 128, 256, 
         dec = await measure_decode(probe, batches, contexts, decode_tokens, repeats)
         fits = {"prefill": fit("prefill", pre), "decode_step": fit("decode_step", dec)}
         if pd_url and pd_decode_url:
-            kv = await measure_kv(session, pd_url, pd_decode_url, model, prefill_sizes, fits["prefill"], seed)
-            fits["kv_transfer"] = fit("kv_transfer", kv)
+            # the prefill and decode fits stand on their own: a failed KV measurement must not lose them
+            try:
+                kv = await measure_kv(session, pd_url, pd_decode_url, model, prefill_sizes, fits["prefill"], seed)
+                fits["kv_transfer"] = fit("kv_transfer", kv)
+            except (RuntimeError, aiohttp.ClientError, ValueError) as e:
+                print(f"warning: KV transfer not measured: {e}", file=sys.stderr)
     measured = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 "host": platform.node(), "machine": f"{platform.machine()} {platform.processor()}".strip(),
                 "base_url": base_url, "command": command, "repeats": repeats, "decode_tokens": decode_tokens}
