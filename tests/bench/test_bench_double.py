@@ -114,9 +114,10 @@ def test_reported_numbers_match_the_script(tmp_path):
 
 
 def test_open_loop_arrivals_keep_the_schedule_with_a_slow_server(tmp_path):
-    # every request is held 4 s before its first token: with 300 requests at 100/s all are open at once
-    proc, url = start_double(tmp_path, {"default": {"ttft": 4.0, "gaps": [0.01], "chunk_tokens": [1, 1]}})
-    rate, n = 100.0, 300
+    # every request is held 7 s before its first token: 300 requests at 50/s arrive within ~6 s, so all
+    # are open at once (aiohttp's default limit of 100 connections per client would hold 200 back)
+    proc, url = start_double(tmp_path, {"default": {"ttft": 7.0, "gaps": [0.01], "chunk_tokens": [1, 1]}})
+    rate, n = 50.0, 300
     try:
         ds = dataset([f"q{i}" for i in range(n)], [2] * n)
         result = asyncio.run(run(Target(url, "m", endpoint="completions"), ds, LoadShape("poisson", rate, seed=11)))
