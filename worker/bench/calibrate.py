@@ -7,8 +7,8 @@
   gap between tokens in the second half of each stream, once every prompt has been prefilled and the
   batch is steady.
 - KV transfer (with ``--pd-url``): through a prefill/decode fleet's router, the decode worker's
-  ``tandem:kv_transfer_seconds`` and ``tandem:kv_transfer_bytes_total`` per request, less the fitted
-  local prefill of the same prompt.
+  ``tandem:kv_transfer_seconds`` and ``tandem:kv_transfer_bytes_total`` per request. The KV streams
+  while the prefill worker computes, so this is the decode worker's whole wait for a remote prefill.
 Each point is the fastest of ``repeats`` measurements (as ``timeit`` reports): on a shared machine other
 work only ever adds time, so the minimum is the stable estimate of what the worker itself costs. Point it at a ``both`` worker (or a decode
 worker, which prefills locally when no prefill peer is named), not at a router.
@@ -96,8 +96,10 @@ def _metric(text: str, name: str, **labels) -> float:
                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
 
 
-async def measure_kv(session, pd_url: str, decode_url: str, model: str, sizes, prefill_fit, seed: int):
-    """[bytes, seconds beyond the local prefill] per prompt size, through a P/D fleet's router."""
+async def measure_kv(session, pd_url: str, decode_url: str, model: str, sizes, seed: int):
+    """[bytes, seconds] per prompt size, one request at a time through a P/D fleet's router: the decode
+    worker's ``tandem:kv_transfer_bytes_total{direction="received"}`` and ``tandem:kv_transfer_seconds``
+    deltas. Raises RuntimeError when a request was not prefilled remotely."""
     probe = Probe(session, pd_url, model, seed + 1)
     out = []
     for n in sizes:
@@ -111,7 +113,7 @@ async def measure_kv(session, pd_url: str, decode_url: str, model: str, sizes, p
         secs = _metric(after, "tandem:kv_transfer_seconds_sum") - _metric(before, "tandem:kv_transfer_seconds_sum")
         if nbytes <= 0:
             raise RuntimeError(f"{pd_url}: the request was not prefilled remotely (no KV bytes received)")
-        out.append([nbytes, max(0.0, secs - prefill_fit.predict(n, 0))])
+        out.append([nbytes, secs])
     return out
 
 
@@ -135,7 +137,7 @@ async def calibrate(base_url: str, model: str, prefill_sizes=(32, 64, 128, 256, 
         if pd_url and pd_decode_url:
             # the prefill and decode fits stand on their own: a failed KV measurement must not lose them
             try:
-                kv = await measure_kv(session, pd_url, pd_decode_url, model, prefill_sizes, fits["prefill"], seed)
+                kv = await measure_kv(session, pd_url, pd_decode_url, model, prefill_sizes, seed)
                 fits["kv_transfer"] = fit("kv_transfer", kv)
             except (RuntimeError, aiohttp.ClientError, ValueError) as e:
                 print(f"warning: KV transfer not measured: {e}", file=sys.stderr)

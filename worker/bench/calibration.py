@@ -5,8 +5,9 @@ physical sign):
 - ``prefill``: a + b*n + c*n^2 + d*n*k, n = prompt tokens computed, k = cached-prefix tokens (the n*k
   term is attention of the new tokens over the cached ones). Measured as the TTFT of a 1-token request.
 - ``decode_step``: d + e*batch + f*batch*context, context = tokens in each sequence's KV.
-- ``kv_transfer`` (optional): g + h*bytes, the time a remote prefill takes beyond the local prefill
-  of the same prompt (handshake, streaming the KV, writing it into the decode worker's cache).
+- ``kv_transfer`` (optional): g + h*bytes, the decode worker's wait for a remote prefill's KV
+  (``tandem:kv_transfer_seconds``: handshake, the prefill worker's compute, which the streamed KV
+  overlaps, and the writes into the decode worker's cache).
 The schema is in docs/bench.md.
 """
 from __future__ import annotations
