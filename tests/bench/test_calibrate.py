@@ -54,6 +54,7 @@ def test_calibration_predicts_a_fresh_run(worker, tmp_path):
                               decode_points=[(3, 96), (6, 64)], decode_tokens=10, repeats=3))
     report = "\n".join(f"{r['what']} {r['inputs']}: measured {r['measured'] * 1000:.1f} ms, predicted "
                        f"{r['predicted'] * 1000:.1f} ms ({r['rel_err']:+.1%})" for r in rows)
+    print(report)
     fitted = "\n".join(f"{k}: {f.quality()} samples {f.samples}" for k, f in cal.fits.items())
     assert all(abs(r["rel_err"]) <= 0.25 for r in rows), report + "\n" + fitted
 
@@ -62,7 +63,7 @@ def test_calibrate_cli_writes_the_file_and_configmap_form_loads(worker, tmp_path
     out = tmp_path / "c.yaml"
     p = subprocess.run([sys.executable, "-m", "tandem.worker.cli", "bench", "calibrate", "--base-url", worker,
                         "--model", MODEL, "-o", str(out), "--prefill-sizes", "16,48,96,160", "--cached", "64",
-                        "--cached-prompt-sizes", "16", "--decode-batches", "1,2", "--decode-contexts", "32",
+                        "--cached-prompt-sizes", "16", "--decode-batches", "1,2,4", "--decode-contexts", "32,64",
                         "--decode-tokens", "8", "--repeats", "1"],
                        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONSAFEPATH": "1"})
     assert p.returncode == 0, p.stdout + p.stderr

@@ -4,7 +4,10 @@ Formulas (seconds; fitted by non-negative least squares, scipy.optimize.nnls, so
 physical sign):
 - ``prefill``: a + b*n + c*n^2 + d*n*k, n = prompt tokens computed, k = cached-prefix tokens (the n*k
   term is attention of the new tokens over the cached ones). Measured as the TTFT of a 1-token request.
-- ``decode_step``: d + e*batch + f*batch*context, context = tokens in each sequence's KV.
+- ``decode_step``: d + g*(batch>1) + e*batch + f*batch*context, context = tokens in each sequence's
+  KV. The (batch>1) step is the jump from a matrix-vector to a matrix-matrix product: measured on the
+  CPU, batch 1 took 53 ms and batch 2 95 ms, batch 4 99 ms, batch 8 113 ms; a line through batch 1
+  misses every other batch by 30%. On a GPU g comes out near 0.
 - ``kv_transfer`` (optional): g + h*bytes, the decode worker's wait for a remote prefill's KV
   (``tandem:kv_transfer_seconds``: handshake, the prefill worker's compute, which the streamed KV
   overlaps, and the writes into the decode worker's cache).
@@ -38,13 +41,14 @@ class Formula:
             return np.column_stack([one, n, n * n, n * k])
         if self.name == "decode_step":
             b, c = x[:, 0], x[:, 1]
-            return np.column_stack([one, b, b * c])
+            return np.column_stack([one, (b > 1).astype(float), b, b * c])
         return np.column_stack([one, x[:, 0]])
 
 
 FORMULAS = {
     "prefill": Formula("prefill", "a + b*n + c*n^2 + d*n*k", ("n", "k"), ("a", "b", "c", "d")),
-    "decode_step": Formula("decode_step", "d + e*batch + f*batch*context", ("batch", "context"), ("d", "e", "f")),
+    "decode_step": Formula("decode_step", "d + g*(batch>1) + e*batch + f*batch*context", ("batch", "context"),
+                           ("d", "g", "e", "f")),
     "kv_transfer": Formula("kv_transfer", "g + h*bytes", ("bytes",), ("g", "h")),
 }
 
