@@ -1,11 +1,12 @@
 """The ``tandem`` command: ``generate`` (one completion), ``serve`` (one worker or router), ``up``
-(a whole InferencePool as local processes)."""
+(a whole InferencePool as local processes), ``bench`` (load generator, calibration, traces)."""
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
 
+from tandem.worker.bench.cli import add_bench_commands
 from tandem.worker.serve_cli import add_serve_commands
 
 
@@ -68,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=_generate)
 
     add_serve_commands(sub)
+    add_bench_commands(sub)
     return p
 
 

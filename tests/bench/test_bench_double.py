@@ -1,0 +1,179 @@
+"""`tandem bench serve` against a TEST DOUBLE (tests/bench/scripted_endpoint.py): a scripted
+OpenAI-compatible endpoint whose delays, chunking and errors are known exactly, so the reported
+numbers can be checked against values computed from the script, and which records when each request
+arrived, so the open-loop schedule can be checked from the server's side."""
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import requests
+from scipy import stats
+
+from tandem.operator.local import free_port
+from tandem.worker.bench.client import Target
+from tandem.worker.bench.datasets import BenchRequest, Dataset
+from tandem.worker.bench.metrics import summarize
+from tandem.worker.bench.runner import LoadShape, run
+from tandem.worker.bench.sweep import sweep
+
+pytestmark = pytest.mark.timeout(300)
+HERE = Path(__file__).parent
+
+
+def start_double(tmp_path, spec: dict):
+    script = tmp_path / "script.json"
+    script.write_text(json.dumps(spec))
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, str(HERE / "scripted_endpoint.py"), "--script", str(script),
+                             "--port", str(port)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def stop(proc):
+    proc.terminate()
+    proc.wait(10)
+
+
+def dataset(keys, output_tokens) -> Dataset:
+    return Dataset("scripted", {}, [BenchRequest(k, [{"role": "user", "content": k}], 7, n)
+                                    for k, n in zip(keys, output_tokens)])
+
+
+def split_point(values) -> float:
+    """An SLO between two scripted values, at the widest gap in their middle half, so measurement
+    noise cannot move a request across it."""
+    v = np.sort(values)
+    lo, hi = len(v) // 4, 3 * len(v) // 4
+    i = lo + int(np.argmax(np.diff(v[lo:hi + 1])))
+    return float(v[i] + v[i + 1]) / 2
+
+
+def test_reported_numbers_match_the_script(tmp_path):
+    rng = np.random.default_rng(3)
+    script, expect = {}, []
+    n_ok = 36
+    for i in range(n_ok):
+        n_chunks = int(rng.integers(3, 9))
+        # some chunks claim 2-3 tokens at once: usage, not the chunk count, gives the output length
+        chunk_tokens = [int(x) for x in rng.choice([1, 1, 2, 3], size=n_chunks)]
+        # delays long enough that a few ms of scheduling noise on a busy CI machine stays far below 5%
+        ttft = float(rng.uniform(0.3, 1.2))
+        gaps = [float(g) for g in rng.uniform(0.08, 0.25, size=n_chunks - 1)]
+        script[f"ok{i}"] = {"ttft": ttft, "gaps": gaps, "chunk_tokens": chunk_tokens,
+                            "empty_before": [1, n_chunks - 1]}
+        e2e = ttft + sum(gaps)
+        out = sum(chunk_tokens)
+        expect.append({"ttft": ttft, "e2e": e2e, "tpot": (e2e - ttft) / (out - 1), "itl": gaps, "out": out})
+    errors = {"e500a": {"error": "http_500", "error_after": 0.1}, "e500b": {"error": "http_500"},
+              "e429": {"error": "http_429", "error_after": 0.05},
+              "serr": {"error": "stream_error", "error_at": 2, "ttft": 0.1, "gaps": [0.05],
+                       "chunk_tokens": [1, 1, 1, 1]},
+              "drop": {"error": "disconnect", "error_at": 1, "ttft": 0.1, "gaps": [0.05],
+                       "chunk_tokens": [1, 1, 1]}}
+    script.update(errors)
+    proc, url = start_double(tmp_path, {"requests": script})
+    try:
+        keys = list(script)
+        ds = dataset(keys, [sum(script[k].get("chunk_tokens", [1])) for k in keys])
+        slo = {"ttft": split_point([e["ttft"] for e in expect]), "tpot": split_point([e["tpot"] for e in expect])}
+        # a constant rate, so each request's intended send time is known: i / rate
+        rate = 8.0
+        result = asyncio.run(run(Target(url, "m"), ds, LoadShape("constant", rate)))
+    finally:
+        stop(proc)
+    s = summarize(result, slo, percentiles=(50, 90, 99))
+
+    assert s["completed"] == n_ok and s["failed"] == len(errors)
+    assert s["errors_by_kind"] == {"http_500": 2, "http_429": 1, "stream_error": 1, "incomplete": 1}
+    assert s["output_tokens"] == sum(e["out"] for e in expect)
+    assert s["completion_tokens_mismatch"] == 0
+
+    def close(got, want, what):
+        assert abs(got - want) <= 0.05 * want, f"{what}: reported {got:.2f}, scripted {want:.2f}"
+
+    for key, values in (("ttft_ms", [e["ttft"] for e in expect]), ("tpot_ms", [e["tpot"] for e in expect]),
+                        ("itl_ms", [g for e in expect for g in e["itl"]]), ("e2e_ms", [e["e2e"] for e in expect])):
+        for p in (50, 90, 99):
+            close(s[key][f"p{p}"], float(np.percentile(values, p)) * 1000, f"{key} p{p}")
+        close(s[key]["mean"], float(np.mean(values)) * 1000, f"{key} mean")
+    # the run lasts from the first intended send to the last answer's end
+    duration = max(i / rate + e["e2e"] for i, e in enumerate(expect))
+    close(s["duration_s"], duration, "duration")
+    close(s["request_throughput"], n_ok / duration, "request throughput")
+    close(s["output_throughput"], sum(e["out"] for e in expect) / duration, "output throughput")
+    good = sum(1 for e in expect if e["ttft"] <= slo["ttft"] and e["tpot"] <= slo["tpot"])
+    assert 0 < good < n_ok   # the SLO splits the requests, so the check means something
+    close(s["goodput"], good / duration, "goodput")
+    assert s["slo_attainment"] == pytest.approx(good / len(keys), abs=1.5 / len(keys))
+
+
+def test_open_loop_arrivals_keep_the_schedule_with_a_slow_server(tmp_path):
+    # every request is held 7 s before its first token: 300 requests at 50/s arrive within ~6 s, so all
+    # are open at once (aiohttp's default limit of 100 connections per client would hold 200 back)
+    proc, url = start_double(tmp_path, {"default": {"ttft": 7.0, "gaps": [0.01], "chunk_tokens": [1, 1]}})
+    rate, n = 50.0, 300
+    try:
+        ds = dataset([f"q{i}" for i in range(n)], [2] * n)
+        result = asyncio.run(run(Target(url, "m", endpoint="completions"), ds, LoadShape("poisson", rate, seed=11)))
+        seen = requests.get(url + "/_arrivals", timeout=10).json()
+    finally:
+        stop(proc)
+    assert seen["max_open"] >= 200
+    arrived = dict(seen["arrivals"])
+    assert len(arrived) == n
+    intended = {r.id: r.intended_mono for r in result.records}
+    lag_ms = np.array([(arrived[k] - intended[k]) * 1000 for k in intended])
+    assert np.percentile(lag_ms, 99) <= 10.0, f"p99 lag {np.percentile(lag_ms, 99):.1f} ms"
+    assert lag_ms.max() <= 50.0, f"max lag {lag_ms.max():.1f} ms"
+    assert lag_ms.min() >= -1.0   # nothing went early
+    gaps = np.diff(np.sort(list(arrived.values())))
+    ks = stats.kstest(gaps, "expon", args=(0, 1 / rate))
+    assert ks.pvalue > 0.01, ks
+    s = summarize(result)
+    assert s["failed"] == 0 and s["send_lag"]["count"] == n and s["send_lag"]["max_ms"] <= 50.0
+
+
+def test_closed_loop_holds_the_concurrency_and_has_no_send_lag(tmp_path):
+    proc, url = start_double(tmp_path, {"default": {"ttft": 0.2, "gaps": [0.01], "chunk_tokens": [1, 1]}})
+    try:
+        ds = dataset([f"c{i}" for i in range(12)], [2] * 12)
+        t0 = time.monotonic()
+        result = asyncio.run(run(Target(url, "m"), ds, LoadShape(concurrency=4)))
+        wall = time.monotonic() - t0
+        seen = requests.get(url + "/_arrivals", timeout=10).json()
+    finally:
+        stop(proc)
+    assert seen["max_open"] == 4
+    assert 0.6 <= wall < 1.5     # 12 requests of ~0.21 s, 4 at a time: 3 rounds
+    s = summarize(result)
+    assert s["load"]["mode"] == "closed" and s["load"]["request_rate"] is None
+    assert s["send_lag"]["count"] == 0 and "achieved_send_rate" not in s
+
+
+def test_sweep_stops_at_saturation_and_reports_the_best_rate(tmp_path):
+    # the double serves 2 requests at a time for ~0.1 s each: it saturates at ~20 requests/s
+    proc, url = start_double(tmp_path, {"capacity": 2,
+                                        "default": {"ttft": 0.06, "gaps": [0.02, 0.02], "chunk_tokens": [1, 1, 1]}})
+    try:
+        ds = dataset([f"s{i}" for i in range(20)], [3] * 20)
+
+        async def run_one(shape):
+            return await run(Target(url, "m"), ds, shape)
+
+        res = asyncio.run(sweep(run_one, [2.5, 5, 10, 40, 80, 160], LoadShape("poisson", seed=2), {"ttft": 0.3}))
+    finally:
+        stop(proc)
+    rates = [p["load"]["request_rate"] for p in res["points"]]
+    assert rates[:3] == [2.5, 5, 10] and len(rates) < 6, res["stopped"]
+    assert res["stopped"] and ("TTFT" in res["stopped"] or "throughput" in res["stopped"])
+    assert res["max_rate_meeting_slo"] in (5, 10)
+    assert max(p["request_throughput"] for p in res["points"]) < 21
+    from tandem.worker.bench.plots import sweep_plot
+    sweep_plot(res["points"], tmp_path / "sweep.png", "saturable test double")
+    assert (tmp_path / "sweep.png").stat().st_size > 10_000

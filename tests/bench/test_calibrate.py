@@ -1,0 +1,79 @@
+"""`tandem bench calibrate` against a real `tandem serve --role both` worker (SmolLM2 on the CPU): the
+fitted model predicts a fresh run's prefill and decode latencies, at sizes it was not fitted on,
+within 25%."""
+import asyncio
+import signal
+import subprocess
+import sys
+import os
+
+import pytest
+
+from fleet_utils import MODEL, start_worker
+from tandem.worker.bench.calibrate import calibrate, verify
+from tandem.worker.bench.calibration import Calibration
+
+pytestmark = pytest.mark.timeout(900)
+
+
+@pytest.fixture(scope="module")
+def worker():
+    # one torch thread: on a shared 2-core machine a 2-thread matmul waits for its slower thread
+    # whenever another process runs, which makes latencies jump; one thread is only ever delayed
+    old = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        proc, url = start_worker("both", name="calibrate")
+    finally:
+        if old is None:
+            os.environ.pop("OMP_NUM_THREADS")
+        else:
+            os.environ["OMP_NUM_THREADS"] = old
+    yield url
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def test_calibration_predicts_a_fresh_run(worker, tmp_path):
+    cal = asyncio.run(calibrate(worker, MODEL, prefill_sizes=(32, 128, 256, 512), cached=(256,),
+                                cached_sizes=(32, 128), batches=(1, 2, 4, 8), contexts=(32, 160), decode_tokens=10,
+                                repeats=3))
+    print({k: f.quality() for k, f in cal.fits.items()})
+    path = tmp_path / "cal.yaml"
+    cal.save(path)
+    back = Calibration.load(path)
+    assert back.prefill_seconds(300, 0) == pytest.approx(cal.prefill_seconds(300, 0))
+    # prefill grows with the prompt, and a cached prefix makes it cheaper than computing it all
+    assert cal.prefill_seconds(512) > 2 * cal.prefill_seconds(64)
+    assert cal.prefill_seconds(256 + 128, 256) < cal.prefill_seconds(256 + 128, 0)
+    assert cal.decode_step_seconds(8, 200) > cal.decode_step_seconds(1, 200)
+    rows = asyncio.run(verify(back, worker, MODEL, prefill_points=[(96, 0), (384, 0), (64, 256)],
+                              decode_points=[(3, 96), (6, 64)], decode_tokens=10, repeats=3))
+    report = "\n".join(f"{r['what']} {r['inputs']}: measured {r['measured'] * 1000:.1f} ms, predicted "
+                       f"{r['predicted'] * 1000:.1f} ms ({r['rel_err']:+.1%})" for r in rows)
+    print(report)
+    fitted = "\n".join(f"{k}: {f.quality()} samples {f.samples}" for k, f in cal.fits.items())
+    assert all(abs(r["rel_err"]) <= 0.25 for r in rows), report + "\n" + fitted
+
+
+def test_calibrate_cli_writes_the_file_and_configmap_form_loads(worker, tmp_path):
+    out = tmp_path / "c.yaml"
+    p = subprocess.run([sys.executable, "-m", "tandem.worker.cli", "bench", "calibrate", "--base-url", worker,
+                        "--model", MODEL, "-o", str(out), "--prefill-sizes", "16,48,96,160", "--cached", "64",
+                        "--cached-prompt-sizes", "16", "--decode-batches", "1,2,4", "--decode-contexts", "32,64",
+                        "--decode-tokens", "8", "--repeats", "1"],
+                       capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONSAFEPATH": "1"})
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "R^2" in p.stdout
+    cal = Calibration.load(out)
+    assert cal.fits["prefill"].quality()["points"] == 5 and cal.engine["block_size"] == 16
+    # the Kubernetes form: a ConfigMap with the file under the key calibration.yaml
+    import yaml
+    cm = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "smollm2-calibration"},
+          "data": {"calibration.yaml": out.read_text()}}
+    (tmp_path / "cm.yaml").write_text(yaml.safe_dump(cm))
+    assert Calibration.load(tmp_path / "cm.yaml").decode_step_seconds(2, 40) == \
+        pytest.approx(cal.decode_step_seconds(2, 40))

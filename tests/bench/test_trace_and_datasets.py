@@ -1,0 +1,80 @@
+"""Seeded traces and datasets: same seed, same requests; parameters in the header; the generators
+shape rate and lengths as asked. Also gamma burstiness and `tandem bench compare`."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tandem.worker.bench import datasets as ds
+from tandem.worker.bench.arrivals import schedule
+from tandem.worker.bench.trace import generate, read_trace, write_trace
+
+
+def test_trace_generators_are_seeded_and_shaped(tmp_path):
+    p1, r1 = generate("step", duration=400, rate=1, prompt_tokens=100, output_tokens=20, seed=4, at=200, to_rate=4)
+    p2, r2 = generate("step", duration=400, rate=1, prompt_tokens=100, output_tokens=20, seed=4, at=200, to_rate=4)
+    assert r1 == r2 and p1["to_rate"] == 4
+    before = sum(r["timestamp"] < 200 for r in r1)
+    after = len(r1) - before
+    assert 150 < before < 250 and 650 < after < 950          # Poisson counts around 200 and 800
+    write_trace(tmp_path / "t.jsonl", "step", p1, r1)
+    head, back = read_trace(tmp_path / "t.jsonl")
+    assert head["generator"] == "step" and head["params"]["seed"] == 4 and back == r1
+
+    _, r = generate("prompt-shift", duration=300, rate=2, prompt_tokens=100, output_tokens=20, sigma=0.3, seed=1,
+                    to_prompt_tokens=400)
+    early = np.median([x["prompt_tokens"] for x in r if x["timestamp"] < 150])
+    late = np.median([x["prompt_tokens"] for x in r if x["timestamp"] >= 150])
+    assert 80 < early < 125 and 320 < late < 500
+    _, r = generate("diurnal", duration=600, rate=2, prompt_tokens=10, output_tokens=10, amplitude=0.9, seed=2)
+    first_half = sum(x["timestamp"] < 300 for x in r)     # sin > 0 in the first half of the period
+    assert first_half > 1.5 * (len(r) - first_half)
+    _, r = generate("bursts", duration=300, rate=0.5, burst_rate=10, burst_every=30, burst_length=3,
+                    prompt_tokens=10, output_tokens=10, seed=3, prefix_groups=3)
+    in_burst = sum((x["timestamp"] % 30) < 3 for x in r)
+    assert in_burst > 0.6 * len(r) and {x["prefix_group"] for x in r} == {0, 1, 2}
+
+
+def test_gamma_burstiness_keeps_the_rate_and_changes_the_spread():
+    for b in (0.25, 1.0, 4.0):
+        gaps = np.diff(schedule("gamma", 20000, rate=5.0, seed=0, burstiness=b))
+        assert gaps.mean() == pytest.approx(0.2, rel=0.05)
+        assert gaps.std() / gaps.mean() == pytest.approx(1 / np.sqrt(b), rel=0.1)   # gamma CV = 1/sqrt(shape)
+    ramp = np.diff(schedule("ramp", 4000, rate=1.0, ramp_end_rate=9.0, seed=0))
+    assert ramp[:400].mean() > 3 * ramp[-400:].mean()
+
+
+def test_datasets_are_seeded_and_savable(tmp_path):
+    from tandem.worker.bench.tokens import PromptMaker, load_tokenizer
+    maker = PromptMaker(load_tokenizer())
+    a = ds.random_dataset(maker, 6, 40, 8, "lognormal", 0.5, seed=3)
+    b = ds.random_dataset(maker, 6, 40, 8, "lognormal", 0.5, seed=3)
+    assert [r.messages for r in a.requests] == [r.messages for r in b.requests]
+    assert [maker.count(r.messages[0]["content"]) for r in a.requests] == [r.prompt_tokens for r in a.requests]
+    a.save(tmp_path / "a.jsonl")
+    assert ds.Dataset.load(tmp_path / "a.jsonl").requests == a.requests
+    p = ds.prefix_dataset(maker, 3, 64, 4, 8, 4, seed=1)
+    systems = {r.prefix_group: r.messages[0]["content"] for r in p.requests}
+    assert len(p.requests) == 12 and len(set(systems.values())) == 3
+    assert all(r.messages[0]["content"] == systems[r.prefix_group] for r in p.requests)
+    assert maker.count(systems[0]) == 64
+    m = ds.multiturn_dataset(maker, 2, 3, 16, 4, think_time=1.0, seed=1)
+    assert [r.turn for r in m.first_turns()] == [0, 0] and all(r.think_time > 0 for r in m.requests if r.turn)
+
+
+def test_compare_prints_both_runs_and_ratios(tmp_path):
+    a = {"dataset": "x", "request_throughput": 2.0, "ttft_ms": {"p50": 100.0, "count": 3}}
+    b = {"dataset": "x", "request_throughput": 3.0, "ttft_ms": {"p50": 50.0, "count": 3}}
+    for name, s in (("a", a), ("b", b)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "summary.json").write_text(json.dumps(s))
+    out = subprocess.run([sys.executable, "-m", "tandem.worker.cli", "bench", "compare",
+                          str(tmp_path / "a" / "summary.json"), str(tmp_path / "b" / "summary.json")],
+                         capture_output=True, text=True, env={**os.environ, "PYTHONSAFEPATH": "1", "COLUMNS": "150"})
+    assert out.returncode == 0, out.stderr
+    line = next(x for x in out.stdout.splitlines() if "request_throughput" in x)
+    assert "2.00" in line and "3.00" in line and "1.500" in line
+    assert "0.500" in next(x for x in out.stdout.splitlines() if "ttft_ms.p50" in x)

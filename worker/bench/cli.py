@@ -1,0 +1,190 @@
+"""``tandem bench serve | compare | calibrate | trace``."""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import sys
+from pathlib import Path
+
+from tandem.worker.bench.arrivals import KINDS
+
+
+def _floats(s: str) -> list[float]:
+    return [float(x) for x in s.replace(",", " ").split()]
+
+
+def build_dataset(args):
+    """The dataset the arguments describe: loaded from ``--load-dataset``, or drawn from the seed."""
+    from tandem.worker.bench import datasets as ds
+    if args.load_dataset:
+        return ds.Dataset.load(args.load_dataset)
+    from tandem.worker.bench.tokens import DEFAULT_TOKENIZER, PromptMaker, load_tokenizer
+    maker = PromptMaker(load_tokenizer(args.tokenizer or DEFAULT_TOKENIZER))
+    kind = args.dataset
+    if kind == "random":
+        return ds.random_dataset(maker, args.num_prompts, args.input_len, args.output_len, args.length_dist,
+                                 args.length_spread, args.seed)
+    if kind == "sharegpt":
+        return ds.sharegpt_dataset(maker, args.dataset_path, args.num_prompts, args.seed,
+                                   args.output_len if args.sharegpt_fixed_output else None)
+    if kind == "prefix":
+        return ds.prefix_dataset(maker, args.num_prefixes, args.prefix_len, args.questions_per_prefix,
+                                 args.input_len, args.output_len, args.seed)
+    if kind == "multiturn":
+        return ds.multiturn_dataset(maker, args.sessions, args.turns, args.input_len, args.output_len,
+                                    args.think_time, args.system_len, args.seed)
+    return ds.trace_dataset(maker, args.dataset_path, args.num_prompts or None, args.prefix_len, args.seed)
+
+
+def _serve(args) -> int:
+    from rich.console import Console
+
+    from tandem.worker.bench import plots, report
+    from tandem.worker.bench.client import Target
+    from tandem.worker.bench.metrics import parse_slo, summarize
+    from tandem.worker.bench.runner import LoadShape, run
+    from tandem.worker.bench.sweep import sweep
+
+    console = Console(stderr=True)
+    try:
+        slo = parse_slo(args.slo)
+        percentiles = tuple(_floats(args.percentiles))
+        if args.dataset in ("sharegpt", "trace") and not (args.dataset_path or args.load_dataset):
+            raise ValueError(f"--dataset {args.dataset} needs --dataset-path")
+        dataset = build_dataset(args)
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.save_dataset:
+        dataset.save(args.save_dataset)
+    arrival = "trace" if dataset.kind == "trace" and args.arrival == "poisson" and args.request_rate == math.inf \
+        else args.arrival
+    load = LoadShape(arrival, args.request_rate, args.burstiness, args.ramp_end_rate, args.concurrency, args.seed)
+    target = Target(args.base_url, args.model, args.endpoint, not args.no_ignore_eos, args.min_tokens,
+                    args.temperature, args.timeout)
+    out = Path(args.output_dir) if args.output_dir else None
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+
+    def save(summary, result, folder: Path | None) -> None:
+        if folder is None:
+            return
+        folder.mkdir(parents=True, exist_ok=True)
+        report.write_summary(summary, folder / "summary.json")
+        report.write_requests(result, folder / "requests.jsonl")
+        if not args.no_plots:
+            plots.latency_cdfs(result, folder / "latency_cdf.png")
+
+    async def run_one(shape):
+        return await run(target, dataset, shape, progress=not args.no_progress and sys.stderr.isatty())
+
+    try:
+        if args.sweep:
+            def point(s, result):
+                report.print_summary(s, console)
+                save(s, result, out / f"rate-{s['load']['request_rate']:g}" if out else None)
+            res = asyncio.run(sweep(run_one, _floats(args.sweep), load, slo, args.slo_attainment, percentiles,
+                                    point))
+            console.print(f"sweep stopped: {res['stopped'] or 'all rates run'}; highest rate meeting the SLOs "
+                          f"({slo or 'none given'}, attainment >= {args.slo_attainment:.0%}): "
+                          f"{res['max_rate_meeting_slo']}")
+            if out:
+                report.write_summary(res, out / "sweep.json")
+                if not args.no_plots:
+                    plots.sweep_plot(res["points"], out / "sweep.png", f"{dataset.kind} sweep")
+            failed = sum(p["failed"] for p in res["points"])
+        else:
+            result = asyncio.run(run_one(load))
+            s = summarize(result, slo, percentiles)
+            report.print_summary(s, console)
+            save(s, result, out)
+            if args.json:
+                print(json.dumps(s, indent=2, default=float))
+            failed = s["failed"]
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 1 if failed and args.fail_on_error else 0
+
+
+def _compare(args) -> int:
+    from tandem.worker.bench.report import print_compare
+    try:
+        a, b = (json.loads(Path(p).read_text()) for p in (args.a, args.b))
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print_compare(a, b, (Path(args.a).parent.name or args.a, Path(args.b).parent.name or args.b))
+    return 0
+
+
+def _add_serve(sub) -> None:
+    s = sub.add_parser("serve", help="load-test an OpenAI-compatible endpoint (as vllm bench serve)")
+    s.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000 (a /v1 suffix is fine)")
+    s.add_argument("--model", required=True, help="the OpenAI model name to send")
+    s.add_argument("--endpoint", choices=["chat", "completions"], default="chat")
+    g = s.add_argument_group("dataset")
+    g.add_argument("--dataset", choices=["random", "sharegpt", "prefix", "multiturn", "trace"], default="random")
+    g.add_argument("--dataset-path", help="sharegpt: the JSON file; trace: the JSON Lines trace")
+    g.add_argument("--load-dataset", help="a dataset saved with --save-dataset (overrides --dataset)")
+    g.add_argument("--save-dataset", help="write the drawn dataset here (JSON Lines)")
+    g.add_argument("--tokenizer", default=None, help="model source whose tokenizer sizes the prompts "
+                   "(default: the SmolLM2 package)")
+    g.add_argument("--num-prompts", type=int, default=100)
+    g.add_argument("--input-len", type=int, default=128, help="prompt tokens (prefix: question; multiturn: each user turn)")
+    g.add_argument("--output-len", type=int, default=64)
+    g.add_argument("--length-dist", choices=["fixed", "uniform", "lognormal"], default="fixed")
+    g.add_argument("--length-spread", type=float, default=0.0, help="uniform: range ratio; lognormal: sigma")
+    g.add_argument("--sharegpt-fixed-output", action="store_true", help="sharegpt: --output-len for every request")
+    g.add_argument("--num-prefixes", type=int, default=4)
+    g.add_argument("--prefix-len", type=int, default=256, help="prefix: system prompt tokens; trace: shared "
+                   "tokens of a prefix_group")
+    g.add_argument("--questions-per-prefix", type=int, default=8)
+    g.add_argument("--sessions", type=int, default=8)
+    g.add_argument("--turns", type=int, default=4)
+    g.add_argument("--think-time", type=float, default=1.0, help="mean seconds between an answer and the next turn")
+    g.add_argument("--system-len", type=int, default=0, help="multiturn: system prompt tokens of each session")
+    g.add_argument("--seed", type=int, default=0)
+    a = s.add_argument_group("load")
+    a.add_argument("--request-rate", type=float, default=math.inf, help="requests (or sessions) per second")
+    a.add_argument("--arrival", choices=KINDS, default="poisson")
+    a.add_argument("--burstiness", type=float, default=1.0, help="gamma shape: 1 = Poisson, < 1 burstier")
+    a.add_argument("--ramp-end-rate", type=float, default=None, help="ramp: the rate at the last request")
+    a.add_argument("--concurrency", type=int, default=0, help="a closed loop of this many in flight")
+    a.add_argument("--sweep", default=None, help="rates to sweep, e.g. 1,2,4,8 (stops at saturation)")
+    r = s.add_argument_group("requests and results")
+    r.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos")
+    r.add_argument("--min-tokens", action="store_true", help="also send min_tokens = max_tokens (vLLM)")
+    r.add_argument("--temperature", type=float, default=0.0)
+    r.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    r.add_argument("--slo", nargs="*", default=None, help="e.g. ttft=0.5 tpot=0.05 e2e=10 (seconds)")
+    r.add_argument("--slo-attainment", type=float, default=0.9, help="sweep: the attainment a rate must reach")
+    r.add_argument("--percentiles", default="50,90,99")
+    r.add_argument("--output-dir", default=None, help="summary.json, requests.jsonl, PNG plots")
+    r.add_argument("--json", action="store_true", help="also print the JSON summary on stdout")
+    r.add_argument("--no-progress", action="store_true")
+    r.add_argument("--no-plots", action="store_true")
+    r.add_argument("--fail-on-error", action="store_true", help="exit 1 when any request failed")
+    s.set_defaults(func=_serve)
+
+
+def add_bench_commands(sub) -> None:
+    """Register ``tandem bench ...`` on the top-level subparsers."""
+    b = sub.add_parser("bench", help="load generator, calibration and trace generators")
+    bsub = b.add_subparsers(dest="bench_command", required=True)
+    _add_serve(bsub)
+    c = bsub.add_parser("compare", help="two runs' summary.json side by side, with ratios B/A")
+    c.add_argument("a")
+    c.add_argument("b")
+    c.set_defaults(func=_compare)
+    try:
+        from tandem.worker.bench.calibrate import add_calibrate_command
+        add_calibrate_command(bsub)
+    except ImportError:
+        pass
+    try:
+        from tandem.worker.bench.trace import add_trace_command
+        add_trace_command(bsub)
+    except ImportError:
+        pass

@@ -1,0 +1,174 @@
+"""One streamed request to an OpenAI-compatible endpoint, timed as vLLM's serving benchmark times it.
+
+TTFT runs from the moment the client sends to the first chunk that carries token text (a chat
+stream's role-only chunk and empty chunks do not count). Every content chunk's arrival time is kept;
+ITL is the gap between consecutive content chunks, so a chunk that carries several tokens is one gap
+(vLLM's convention; a server that batches tokens per chunk shows longer, fewer gaps). The output
+token count comes from the usage the server returns (``stream_options.include_usage``), never from
+counting chunks; a stream without usage is an error of kind ``no_usage``.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from tandem.worker.bench.datasets import BenchRequest
+
+
+@dataclass
+class RequestRecord:
+    """What one request did. Times are seconds on the client's monotonic clock (``*_mono``) and, for
+    joining with other logs (replica counts over time), Unix time of the send (``send_unix``)."""
+    id: str
+    session: int | None
+    turn: int
+    scheduled: bool                 # on the up-front schedule (counts in the send-lag report)
+    intended_mono: float | None     # when the schedule said to send
+    send_mono: float = 0.0
+    send_unix: float = 0.0
+    first_token_mono: float | None = None
+    token_times_mono: list[float] = field(default_factory=list)   # one per content chunk
+    end_mono: float | None = None
+    prompt_tokens_asked: int = 0
+    output_tokens_asked: int = 0
+    prompt_tokens: int | None = None        # from the server's usage
+    completion_tokens: int | None = None    # from the server's usage
+    status: str = "ok"                      # ok | error
+    error_kind: str | None = None           # http_<code> | stream_error | incomplete | no_usage | connect | timeout | ...
+    error: str | None = None
+    text: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_mono is None else self.first_token_mono - self.send_mono
+
+    @property
+    def e2e(self) -> float | None:
+        return None if self.end_mono is None else self.end_mono - self.send_mono
+
+    @property
+    def tpot(self) -> float | None:
+        """(E2E - TTFT) / (output tokens - 1), only with at least 2 output tokens (DESIGN.md)."""
+        if not self.ok or not self.completion_tokens or self.completion_tokens < 2 or self.ttft is None:
+            return None
+        return (self.e2e - self.ttft) / (self.completion_tokens - 1)
+
+    @property
+    def itls(self) -> list[float]:
+        t = self.token_times_mono
+        return [b - a for a, b in zip(t, t[1:])]
+
+    def fail(self, kind: str, msg: str) -> "RequestRecord":
+        self.status, self.error_kind, self.error = "error", kind, msg[:500]
+        self.end_mono = self.end_mono or time.monotonic()
+        return self
+
+
+@dataclass
+class Target:
+    """Where and how to send: ``endpoint`` is ``chat`` (/v1/chat/completions) or ``completions``."""
+    base_url: str
+    model: str
+    endpoint: str = "chat"
+    ignore_eos: bool = True         # ask for exactly output_tokens (tandem, vLLM and llama.cpp accept it)
+    min_tokens: bool = False        # also send min_tokens = max_tokens (vLLM)
+    temperature: float = 0.0
+    timeout: float = 600.0
+    extra_body: dict = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        base = self.base_url.rstrip("/")
+        base = base[:-3] if base.endswith("/v1") else base
+        return base + ("/v1/chat/completions" if self.endpoint == "chat" else "/v1/completions")
+
+    def body(self, req: BenchRequest, history: list[dict] | None = None) -> dict:
+        b = {"model": self.model, "max_tokens": req.output_tokens, "temperature": self.temperature,
+             "stream": True, "stream_options": {"include_usage": True}}
+        if self.ignore_eos:
+            b["ignore_eos"] = True
+        if self.min_tokens:
+            b["min_tokens"] = req.output_tokens
+        if self.endpoint == "chat":
+            b["messages"] = (history or []) + req.messages
+        elif req.prompt_token_ids is not None:
+            b["prompt"] = req.prompt_token_ids
+        else:
+            b["prompt"] = "\n\n".join(m["content"] for m in (history or []) + req.messages)
+        return {**b, **self.extra_body}
+
+
+def _content(chunk: dict) -> str:
+    text = ""
+    for ch in chunk.get("choices") or []:
+        text += ch.get("text") or (ch.get("delta") or {}).get("content") or ""
+    return text
+
+
+async def send(session: aiohttp.ClientSession, target: Target, req: BenchRequest, rec: RequestRecord,
+               history: list[dict] | None = None) -> RequestRecord:
+    """Send ``req`` now and fill ``rec`` as the stream arrives. Never raises for a server's fault:
+    failures become ``rec.status == "error"`` with an ``error_kind``."""
+    rec.prompt_tokens_asked, rec.output_tokens_asked = req.prompt_tokens, req.output_tokens
+    body = target.body(req, history)
+    rec.send_mono, rec.send_unix = time.monotonic(), time.time()
+    try:
+        async with session.post(target.url, json=body, headers={"X-Bench-Request-Id": rec.id},
+                                timeout=aiohttp.ClientTimeout(total=target.timeout)) as r:
+            if r.status != 200:
+                return rec.fail(f"http_{r.status}", (await r.text())[:500])
+            done, usage, parts = False, None, []
+            buf = b""
+            async for data in r.content.iter_any():
+                now = time.monotonic()
+                buf += data
+                *lines, buf = buf.split(b"\n")
+                for line in lines:
+                    line = line.strip()
+                    if not line.startswith(b"data:"):
+                        continue
+                    payload = line[5:].strip()
+                    if payload == b"[DONE]":
+                        done = True
+                        continue
+                    chunk = json.loads(payload)
+                    if "error" in chunk:
+                        err = chunk["error"]
+                        return rec.fail("stream_error", err.get("message", str(err)) if isinstance(err, dict)
+                                        else str(err))
+                    if chunk.get("usage"):
+                        usage = chunk["usage"]
+                    text = _content(chunk)
+                    if text:
+                        if rec.first_token_mono is None:
+                            rec.first_token_mono = now
+                        rec.token_times_mono.append(now)
+                        parts.append(text)
+            rec.end_mono = time.monotonic()
+            rec.text = "".join(parts)
+            if not done:
+                return rec.fail("incomplete", "the stream ended without [DONE]")
+            if not usage:
+                return rec.fail("no_usage", "the stream carried no usage (stream_options.include_usage)")
+            rec.prompt_tokens, rec.completion_tokens = usage.get("prompt_tokens"), usage.get("completion_tokens")
+            if rec.first_token_mono is None:
+                return rec.fail("no_tokens", "the stream carried no token text")
+            return rec
+    except asyncio.TimeoutError:
+        return rec.fail("timeout", f"no answer within {target.timeout} s")
+    except aiohttp.ClientConnectorError as e:
+        return rec.fail("connect", str(e))
+    except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError) as e:
+        return rec.fail("incomplete", f"{type(e).__name__}: {e}")
+    except aiohttp.ClientError as e:
+        return rec.fail("client_error", f"{type(e).__name__}: {e}")
+    except json.JSONDecodeError as e:
+        return rec.fail("bad_json", str(e))

@@ -1,0 +1,111 @@
+"""Run outputs: the JSON summary, the per-request JSON Lines file, the terminal table, and
+``tandem bench compare``."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from tandem.worker.bench.runner import RunResult
+
+LATENCIES = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
+
+
+def write_requests(result: RunResult, path: str | Path) -> None:
+    """One JSON object per request. Times are Unix seconds (so they join with other time series, such
+    as replica counts): intended and actual send, first token, every content chunk, end."""
+    off = result.start_unix - result.start_mono
+
+    def unix(t):
+        return None if t is None else t + off
+
+    with open(path, "w") as f:
+        for r in result.records:
+            f.write(json.dumps({
+                "id": r.id, "session": r.session, "turn": r.turn, "scheduled": r.scheduled,
+                "intended_send": unix(r.intended_mono), "send": unix(r.send_mono),
+                "first_token": unix(r.first_token_mono), "token_times": [unix(t) for t in r.token_times_mono],
+                "end": unix(r.end_mono), "ttft": r.ttft if r.ok else None, "tpot": r.tpot,
+                "e2e": r.e2e if r.ok else None, "prompt_tokens_asked": r.prompt_tokens_asked,
+                "output_tokens_asked": r.output_tokens_asked, "prompt_tokens": r.prompt_tokens,
+                "completion_tokens": r.completion_tokens, "status": r.status, "error_kind": r.error_kind,
+                "error": r.error}) + "\n")
+
+
+def write_summary(summary: dict, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(summary, indent=2, default=float) + "\n")
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return "nan" if math.isnan(v) else f"{v:.2f}"
+    return str(v)
+
+
+def print_summary(summary: dict, console=None) -> None:
+    """The summary as a table on the terminal (rich)."""
+    from rich.console import Console
+    from rich.table import Table
+    console = console or Console()
+    t = Table(title=f"tandem bench serve: {summary['dataset']}, {summary['load']['describe']}")
+    t.add_column("metric")
+    t.add_column("value", justify="right")
+    rows = [("requests (completed / failed)", f"{summary['completed']} / {summary['failed']}"),
+            ("errors by kind", ", ".join(f"{k}: {v}" for k, v in summary["errors_by_kind"].items()) or "-"),
+            ("duration (s)", _fmt(summary["duration_s"])),
+            ("request throughput (req/s)", _fmt(summary["request_throughput"])),
+            ("output token throughput (tok/s)", _fmt(summary["output_throughput"])),
+            ("total token throughput (tok/s)", _fmt(summary["total_token_throughput"]))]
+    if summary["slo"]:
+        rows += [(f"goodput (req/s) at {summary['slo']}", _fmt(summary["goodput"])),
+                 ("SLO attainment", _fmt(summary["slo_attainment"]))]
+    for key in LATENCIES:
+        s = summary[key]
+        for stat in [k for k in s if k not in ("std", "count")]:
+            rows.append((f"{key[:-3].upper()} {stat} (ms)", _fmt(s[stat])))
+    lag = summary["send_lag"]
+    if lag.get("count"):
+        rows.append(("send lag mean / p99 / max (ms)",
+                     f"{lag['mean_ms']:.2f} / {lag['p99_ms']:.2f} / {lag['max_ms']:.2f}"))
+    if "achieved_send_rate" in summary:
+        rows.append(("achieved send rate (req/s)", _fmt(summary["achieved_send_rate"])))
+    if "achieved_concurrency" in summary:
+        rows.append(("mean requests in flight", _fmt(summary["achieved_concurrency"])))
+    for k, v in rows:
+        t.add_row(k, v)
+    console.print(t)
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and k not in ("slo", "errors_by_kind", "load"):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[prefix + k] = v
+    return out
+
+
+def compare(a: dict, b: dict) -> list[tuple[str, float, float, float | None]]:
+    """(metric, A, B, B/A) for every numeric metric the two summaries share."""
+    fa, fb = _flatten(a), _flatten(b)
+    rows = []
+    for k in fa:
+        if k in fb and not k.endswith((".count", "start_unix")):
+            ratio = fb[k] / fa[k] if fa[k] else None
+            rows.append((k, fa[k], fb[k], ratio))
+    return rows
+
+
+def print_compare(a: dict, b: dict, names=("A", "B"), console=None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+    console = console or Console()
+    t = Table(title=f"{names[0]} vs {names[1]}")
+    for c in ("metric", names[0], names[1], "B/A"):
+        t.add_column(c, justify="left" if c == "metric" else "right")
+    for k, va, vb, ratio in compare(a, b):
+        t.add_row(k, _fmt(float(va)), _fmt(float(vb)), "-" if ratio is None else f"{ratio:.3f}")
+    console.print(t)
