@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from operator_helpers import (OPERATOR_SA, ROOT, AuditLog, apply_yaml, condition, kget, wait_for)
+from operator_helpers import (OPERATOR_SA, AuditLog, apply_yaml, condition, kget, wait_for)
 from test_cluster_e2e import base_manifest, children, ensure_ns, patch_pool, pool_obj
 
 NS = "broken"
