@@ -132,27 +132,29 @@ def arrivals_lag(tmp_path, rate: float, n: int):
 
 
 def test_open_loop_arrivals_keep_the_schedule_with_a_slow_server(tmp_path):
-    """p99 lag <= 10 ms, max <= 50 ms. Another process taking the CPU for a moment (seen once in a
-    clean-clone run next to a compiler: p99 157 ms) delays any client, so a miss is measured once
-    more; a client that cannot keep the schedule misses both."""
+    """Every request is held 7 s, so a client that waits for answers before sending (closed loop, or
+    aiohttp's 100-connection default) lags by seconds. The bounds (p99 <= 50 ms, max <= 250 ms) sit far
+    below that and far above this shared 2-core machine's scheduling noise (a CI run saw p99 12.8 ms
+    next to other suites; a compiler beside it, 157 ms), so they test the loop, not the machine. The
+    precise lag is a benchmark figure (bench/RESULTS.md), not a test's."""
     rate, n = 50.0, 300
     for attempt in range(2):
         lag_ms, seen, result = arrivals_lag(tmp_path, rate, n)
         p99, worst = np.percentile(lag_ms, 99), lag_ms.max()
         print(f"attempt {attempt + 1}: p99 lag {p99:.1f} ms, max {worst:.1f} ms")
-        if p99 <= 10.0 and worst <= 50.0:
+        if p99 <= 50.0 and worst <= 250.0:
             break
     assert seen["max_open"] >= 200
     arrived = dict(seen["arrivals"])
     assert len(arrived) == n and len(lag_ms) == n
-    assert p99 <= 10.0, f"p99 lag {p99:.1f} ms"
-    assert worst <= 50.0, f"max lag {worst:.1f} ms"
+    assert p99 <= 50.0, f"p99 lag {p99:.1f} ms"
+    assert worst <= 250.0, f"max lag {worst:.1f} ms"
     assert lag_ms.min() >= -1.0   # nothing went early
     gaps = np.diff(np.sort(list(arrived.values())))
     ks = stats.kstest(gaps, "expon", args=(0, 1 / rate))
     assert ks.pvalue > 0.01, ks
     s = summarize(result)
-    assert s["failed"] == 0 and s["send_lag"]["count"] == n and s["send_lag"]["max_ms"] <= 50.0
+    assert s["failed"] == 0 and s["send_lag"]["count"] == n and s["send_lag"]["max_ms"] <= 250.0
 
 
 def test_closed_loop_holds_the_concurrency_and_has_no_send_lag(tmp_path):
