@@ -55,7 +55,8 @@ class AuthConfigError(ValueError):
     """A credential source that is set but unusable (missing file, empty secret)."""
 
 
-def _keys_of(text: str) -> list[str]:
+def parse_keys(text: str) -> list[str]:
+    """The keys in a text: separated by whitespace, newlines or commas."""
     return [k for k in _SPLIT.split(text) if k]
 
 
@@ -83,9 +84,13 @@ class KeyStore:
             files = ([p for p in sorted(self.path.iterdir()) if p.is_file() and not p.name.startswith(".")]
                      if self.path.is_dir() else [self.path])
             for f in files:
-                keys += _keys_of(f.read_text())
+                keys += parse_keys(f.read_text())
         self._keys = [k.encode() for k in keys]
         self._loaded_at = time.monotonic()
+
+    def keys(self) -> list[str]:
+        """The keys as loaded (for a parent that hands them to its router by file)."""
+        return [k.decode() for k in self._keys]
 
     def check(self, presented: str) -> bool:
         """Whether ``presented`` is one of the keys; every key is compared (constant time each)."""
@@ -104,7 +109,7 @@ class KeyStore:
     def from_env(cls, env=os.environ, path: Optional[str] = None) -> Optional["KeyStore"]:
         """The keys named by ``TANDEM_API_KEYS`` / ``TANDEM_API_KEY_FILE`` (or ``path``); None when
         neither is set."""
-        literal = _keys_of(env.get(API_KEYS_ENV, ""))
+        literal = parse_keys(env.get(API_KEYS_ENV, ""))
         path = path or env.get(API_KEY_FILE_ENV) or None
         if not literal and not path:
             return None
