@@ -253,3 +253,45 @@ def test_an_api_key_reference_the_manifest_cannot_satisfy_is_a_clear_error(tmp_p
         assert auth.API_KEYS_ENV not in fleet._credential_env("router")   # never in a child's environment
     finally:
         shutil.rmtree(fleet.dir)
+
+
+def test_the_decode_side_takes_kv_only_from_a_peer_that_proves_the_secret(tiny_llama):
+    """Both directions of the handshake, on a real engine (tiny random Llama) over loopback: the same
+    secret transfers; a prefill worker that cannot prove it (no secret, or another one) gets no block
+    written, whatever it sends."""
+    from tandem.worker.engine.async_engine import AsyncEngine
+    from tandem.worker.engine.config import EngineConfig
+    from tandem.worker.engine.llm_engine import LLMEngine
+    from tandem.worker.transfer.tcp import KVTransferServer
+
+    async def main():
+        pe = LLMEngine(EngineConfig(model=str(tiny_llama), block_size=4, max_num_batched_tokens=16))
+        pa = AsyncEngine(pe)
+        pa.start()
+        results = {}
+        try:
+            for name, server_secret, client_secret in (("same", b"s" * 32, b"s" * 32),
+                                                       ("server-open", None, b"s" * 32),
+                                                       ("other", b"o" * 32, b"s" * 32)):
+                server = KVTransferServer(pa, pe.kv_layout(), secret=server_secret)
+                port = await server.start("127.0.0.1", 0)
+                blocks = []
+
+                async def on_blocks(i, d):
+                    blocks.append(i)
+                hello = {"layout": pe.kv_layout(), "prompt_token_ids": list(range(1, 20)),
+                         "params": {"max_tokens": 1, "temperature": 0}}
+                try:
+                    done, n = await pull_kv("127.0.0.1", port, hello, on_blocks, max_payload=1 << 24,
+                                            secret=client_secret)
+                    results[name] = ("ok", len(blocks), n)
+                except TransferError as e:
+                    results[name] = (str(e), len(blocks), 0)
+                await server.stop()
+        finally:
+            pa.stop()
+        return results
+    res = asyncio.run(main())
+    assert res["same"][0] == "ok" and res["same"][1] > 0 and res["same"][2] > 0
+    assert "did not prove this pool's secret" in res["server-open"][0] and res["server-open"][1] == 0
+    assert "not authenticated for this pool" in res["other"][0] and res["other"][1] == 0

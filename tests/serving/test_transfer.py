@@ -20,6 +20,7 @@ PARAMS = SamplingParams.parse({"temperature": 0, "max_tokens": 10, "ignore_eos":
 class FixedPeers:
     """Stands in for the HTTP /health lookup of the prefill worker's KV port (named as such: the
     transfer itself is real); the full HTTP path is covered by tests/serving/test_fleet.py."""
+    secret = None   # a pool without a shared secret
 
     def __init__(self, port):
         self.port = port
