@@ -137,3 +137,19 @@ def test_every_child_kind_has_an_api_path():
     p = pool(path="examples/llama3-8b-autoscaled.yaml")
     for o in D.desired_objects(p, caps, pool_secret_hash="h") + [SEC.new_pool_secret(p, D._meta(p, "x"))]:
         assert path_of(o).endswith("/" + o["metadata"]["name"]), o["kind"]
+
+
+def test_the_charts_operator_pod_is_hardened_and_its_webhook_fenced(helm_bin):
+    from operator_helpers import render_chart
+    docs = [d for d in yaml.safe_load_all(render_chart(helm_bin)) if d]
+    dep, = [d for d in docs if d["kind"] == "Deployment"]
+    spec = dep["spec"]["template"]["spec"]
+    assert spec["securityContext"]["runAsNonRoot"] is True
+    for c in spec["containers"]:
+        sc = c["securityContext"]
+        assert sc["capabilities"]["drop"] == ["ALL"] and sc["readOnlyRootFilesystem"] is True
+        assert sc["allowPrivilegeEscalation"] is False
+    np, = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    assert np["spec"]["podSelector"]["matchLabels"] == dep["spec"]["selector"]["matchLabels"]
+    webhook = next(r for r in np["spec"]["ingress"] if r["ports"][0]["port"] == 9443)
+    assert webhook["from"] == [{"ipBlock": {"cidr": "0.0.0.0/0"}}]   # the values' default; narrowed per cluster
