@@ -295,3 +295,20 @@ def test_the_decode_side_takes_kv_only_from_a_peer_that_proves_the_secret(tiny_l
     assert res["same"][0] == "ok" and res["same"][1] > 0 and res["same"][2] > 0
     assert "did not prove this pool's secret" in res["server-open"][0] and res["server-open"][1] == 0
     assert "not authenticated for this pool" in res["other"][0] and res["other"][1] == 0
+
+
+def test_bench_client_sends_the_api_key(secured):
+    """`tandem bench serve` against a keyed router: OPENAI_API_KEY (Target.api_key) as vLLM's bench."""
+    import aiohttp
+
+    from tandem.worker.bench.client import RequestRecord, Target, send
+    from tandem.worker.bench.datasets import BenchRequest
+
+    async def one(key):
+        req = BenchRequest(id="r", messages=[{"role": "user", "content": "Hi"}], prompt_tokens=1, output_tokens=2)
+        rec = RequestRecord(id="r", session=None, turn=0, scheduled=False, intended_mono=None)
+        async with aiohttp.ClientSession() as s:
+            return await send(s, Target(secured.endpoint, MODEL, api_key=key), req, rec)
+    assert asyncio.run(one(None)).error_kind == "http_401"
+    rec = asyncio.run(one(KEYS[0]))
+    assert rec.ok and rec.completion_tokens == 2, (rec.error_kind, rec.error)
