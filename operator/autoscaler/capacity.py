@@ -60,6 +60,17 @@ class PerfModel:
     kv_bytes_per_token: float = SMOLLM2_KV_BYTES_PER_TOKEN
     cv2: float = 0.5
 
+    def __post_init__(self):
+        # The formulas of worker/bench/calibration.py on plain floats: the simulator evaluates them some
+        # 10^5 times a run, and numpy's per-call overhead made that most of its time. A test checks that
+        # both agree.
+        fits = self.calibration.fits
+        self._pf = tuple(float(x) for x in fits["prefill"].coef)
+        self._ds = tuple(float(x) for x in fits["decode_step"].coef)
+        kv = fits.get("kv_transfer")
+        self._kv = None if kv is None else tuple(float(x) for x in kv.coef)
+        self._remote: dict = {}
+
     @classmethod
     def of(cls, calibration) -> Optional["PerfModel"]:
         if calibration is None:
@@ -70,13 +81,19 @@ class PerfModel:
     # ---- prefill ----------------------------------------------------------------------------
     def local_prefill_seconds(self, prompt_tokens: float) -> float:
         """Prefill computed where the sequence decodes (no KV transfer), seconds."""
-        return max(1e-4, self.calibration.prefill_seconds(prompt_tokens))
+        a, b, c, _ = self._pf   # no cached prefix here: the n*k term is 0
+        n = float(prompt_tokens)
+        return max(1e-4, a + b * n + c * n * n)
 
     def remote_prefill_seconds(self, prompt_tokens: float) -> float:
         """TTFT of one remote prefill on an idle prefill replica, and the time it holds that replica (s)."""
-        p = self.local_prefill_seconds(prompt_tokens)
-        kv = self.calibration.kv_transfer_seconds(prompt_tokens * self.kv_bytes_per_token)
-        return p if kv is None else max(p, kv)
+        got = self._remote.get(prompt_tokens)
+        if got is None:
+            p = self.local_prefill_seconds(prompt_tokens)
+            if self._kv is not None:
+                p = max(p, self._kv[0] + self._kv[1] * prompt_tokens * self.kv_bytes_per_token)
+            got = self._remote[prompt_tokens] = p
+        return got
 
     def prefill_p90(self, rho: float, service_s: float) -> float:
         """p90 TTFT (s) of a prefill replica at utilization ``rho`` with mean service ``service_s``."""
@@ -99,7 +116,10 @@ class PerfModel:
         """One decode step (s) at a possibly fractional ``batch``, interpolated between integers."""
         batch = max(1.0, batch)
         lo = math.floor(batch)
-        f = self.calibration.decode_step_seconds
+        d, g, e, f_ = self._ds
+
+        def f(b, c):
+            return d + (g if b > 1 else 0.0) + e * b + f_ * b * c
         a = f(lo, context)
         if batch == lo:
             return max(1e-4, a)
