@@ -85,7 +85,7 @@ class _RoleState:
     recs: deque = field(default_factory=deque)        # (at, recommendation)
     events: deque = field(default_factory=deque)      # (at, delta) of applied changes
     demand: deque = field(default_factory=deque)      # (at, demand in the role's unit)
-    correction: float = 1.0                           # observed / predicted latency (EWMA)
+    correction: float = 1.0                           # capacity factor: real / modelled capacity
 
 
 @dataclass
@@ -111,7 +111,7 @@ class Autoscaler:
     """
 
     def __init__(self, spec, calibration=None, *, startup_s: float = 120.0, forecast_window_s: float = 180.0,
-                 correction_alpha: float = 0.2, headroom: float = 0.9):
+                 correction_alpha: float = 0.2, headroom: float = 0.8):
         self.spec = spec
         self.perf = PerfModel.of(calibration)
         self.startup_s = float(startup_s)
@@ -179,21 +179,19 @@ class Autoscaler:
             return _Sized(to, f"idle (the scrape answered, nothing arrived): down to {to}", {"idle": True})
 
         target = lim.target
-        demand, per_replica, inputs = self._demand(role, snap)
+        demand, model, inputs = self._demand(role, snap)
         # forecast one start-up ahead: a linear trend over the recent window, never below the present
         st.demand.append((snap.at, demand))
         while st.demand and st.demand[0][0] < snap.at - self.forecast_window_s:
             st.demand.popleft()
         forecast = self._forecast(st.demand, snap.at + self.startup_s, demand)
-        inputs.update(demand=round(demand, 4), forecast=round(forecast, 4), target=target,
-                      correction=round(st.correction, 3))
-        lat = rs.latency
         need = None
-        if per_replica is not None and per_replica > 0:
-            need = math.ceil(max(forecast, demand) / (per_replica * self.headroom) - 1e-9)
-            inputs["capacity_per_replica"] = round(per_replica, 4)
-        elif per_replica is not None:
-            need = lim.max   # even an idle replica misses the target: as many as allowed
+        if model is not None:
+            self._learn(role, snap, model(demand))
+            need = min(lim.max * 4, model(max(forecast, demand)))
+        inputs.update(demand=round(demand, 4), forecast=round(forecast, 4), target=target,
+                      capacity_factor=round(st.correction, 3), need=need)
+        lat = rs.latency
         if lat is None or (isinstance(lat, float) and math.isnan(lat)):
             rec = max(need if need is not None else cur, cur if rs.waiting > 0 else 0)
             return _Sized(rec, f"no latency yet; demand {demand:.3g} needs {rec}", inputs)
@@ -219,57 +217,60 @@ class Autoscaler:
     def _metric(role: str) -> str:
         return "p90 TTFT" if role == "prefill" else "p90 TPOT"
 
-    def _demand(self, role: str, snap: PoolSnapshot) -> tuple[float, Optional[float], dict]:
-        """(demand, capacity per replica in the same unit or None without a model, inputs)."""
+    def _demand(self, role: str, snap: PoolSnapshot):
+        """(demand, replicas-needed function of a demand or None without a model, inputs).
+
+        prefill: demand in erlangs (arrivals/s x the calibrated service of the mean prompt, plus the
+        queued prompts' work spread over a start-up time), sized as one M/G/c queue; decode: output
+        tokens/s (plus the queued sequences' tokens over a start-up time), over the tokens/s one replica
+        generates at the SLO. Both scaled by the capacity factor learned online."""
         rs, st, lim = snap.role(role), self.state[role], self.limits[role]
         pre, dec = snap.prefill, snap.decode
-        arr = max(rs.arrivals_per_s, 1e-9)
-        prompt = pre.prompt_tokens_per_s / max(pre.arrivals_per_s, 1e-9) if pre.arrivals_per_s > 0 else 0.0
-        output = dec.output_tokens_per_s / max(dec.arrivals_per_s, 1e-9) if dec.arrivals_per_s > 0 else 0.0
-        self._learn(role, snap, prompt, output)
+        prompt = pre.prompt_tokens_per_s / pre.arrivals_per_s if pre.arrivals_per_s > 0 else 0.0
+        output = dec.output_tokens_per_s / dec.arrivals_per_s if dec.arrivals_per_s > 0 else 0.0
+        phi = st.correction * self.headroom
         if self.perf is None:
             # no model: the throughput each ready replica carries now, scaled by the latency headroom
             load = rs.arrivals_per_s if role == "prefill" else rs.output_tokens_per_s
             lat = rs.latency
             if rs.ready > 0 and lat and lat > 0 and not math.isnan(lat) and load > 0:
                 per = load / rs.ready * min(2.0, lim.target / lat)
-                return load, per, {"unit": "requests/s" if role == "prefill" else "tokens/s"}
+                return load, (lambda x: max(1, math.ceil(x / (per * self.headroom) - 1e-9))), \
+                    {"unit": "requests/s" if role == "prefill" else "tokens/s", "per_replica": round(per, 4)}
             return load, None, {}
         if role == "prefill":
             s = self.perf.remote_prefill_seconds(max(prompt, 1.0))
             demand = rs.arrivals_per_s * s + rs.waiting * s / self.startup_s
-            cap = self.perf.prefill_capacity(lim.target, s, st.correction)
-            return demand, cap, {"unit": "busy s/s", "mean_prompt_tokens": round(prompt, 1),
-                                 "service_s": round(s, 4)}
-        ctx = prompt + output / 2
-        m = self.perf.decode_capacity(lim.target, ctx, st.correction)
-        step = self.perf.decode_step_seconds(1 + m, ctx)
-        cap = m / step if step > 0 else 0.0   # tokens/s one replica generates at the SLO
-        backlog = rs.waiting * max(output, 1.0) / self.startup_s
-        return rs.output_tokens_per_s + backlog, cap, {"unit": "tokens/s", "context_tokens": round(ctx, 1),
-                                                       "running_at_slo": round(m, 3)}
+            most = lim.max * 4
 
-    def _learn(self, role: str, snap: PoolSnapshot, prompt: float, output: float) -> None:
-        """Update the latency correction (observed / predicted) from a steady window: replicas all ready,
-        traffic flowing, a latency measured."""
-        rs, st = snap.role(role), self.state[role]
+            def need(x):
+                return self.perf.prefill_replicas(x / phi, s, lim.target, most) if x > 0 else 0
+            return demand, need, {"unit": "erlangs", "mean_prompt_tokens": round(prompt, 1), "service_s": round(s, 4)}
+        ctx = prompt + output / 2
+        most = lim.max * 4
+
+        def need_d(x):
+            return self.perf.decode_replicas(x / phi, ctx, lim.target, most) if x > 0 else 0
+        backlog = rs.waiting * max(output, 1.0) / self.startup_s
+        slots, _ = self.perf.decode_slots(lim.target, ctx)
+        return rs.output_tokens_per_s + backlog, need_d, {"unit": "tokens/s", "context_tokens": round(ctx, 1),
+                                                          "slots_per_replica": round(slots, 3)}
+
+    def _learn(self, role: str, snap: PoolSnapshot, planned: int) -> None:
+        """Correct the capacity factor from a steady window (replicas all ready, none draining, traffic
+        flowing, a latency measured): above the band at no more load than planned, capacity was
+        overrated (-10%); well below the target (< 0.75) while running at the planned count, it was
+        underrated (+2%, a slow probe that the scale-down window and steps pace)."""
+        rs, st, lim = snap.role(role), self.state[role], self.limits[role]
         lat = rs.latency
-        if (self.perf is None or rs.signal != "ok" or rs.starting or rs.ready <= 0 or lat is None
+        if (rs.signal != "ok" or rs.starting or rs.draining or rs.ready <= 0 or lat is None
                 or math.isnan(lat) or rs.arrivals_per_s <= 0):
             return
-        if role == "prefill":
-            s = self.perf.remote_prefill_seconds(max(prompt, 1.0))
-            rho = rs.arrivals_per_s * s / rs.ready
-            if rho >= 0.95:
-                return   # a saturated queue measures the backlog, not the model
-            pred = self.perf.prefill_p90(rho, s)
-        else:
-            ctx = prompt + output / 2
-            step1 = self.perf.decode_step_seconds(1, ctx)
-            running = rs.output_tokens_per_s * step1 / rs.ready
-            pred = self.perf.decode_p90(running, ctx)
-        obs = min(3.0, max(0.5, lat / pred))
-        st.correction = min(3.0, max(0.5, (1 - self.correction_alpha) * st.correction + self.correction_alpha * obs))
+        ratio = lat / lim.target
+        if ratio > 1 + lim.tolerance and planned <= rs.ready:
+            st.correction = max(0.3, st.correction * 0.9)
+        elif ratio < 0.75 and planned >= rs.ready:
+            st.correction = min(3.0, st.correction * 1.02)
 
     @staticmethod
     def _forecast(hist: deque, when: float, now_value: float) -> float:

@@ -133,10 +133,11 @@ def run_one(name: str, sc: S.Scenario, perf: PerfModel, calibration, knobs: Opti
     pol = make_policy(name, spec, perf, calibration, sc.targets, minutes, knobs)
     if name == "static":
         initial = dict(pol.counts)
-    elif name == "oracle":
-        initial = pol.need(minutes[0])
     else:
-        initial = {"prefill": 1, "decode": 1}
+        # every autoscaled policy starts from the fleet the first minute's load needs, as if it had been
+        # running before the trace began (else a cold start would dominate the first minutes of every
+        # scenario)
+        initial = B.Oracle(perf, sc.targets, minutes).need(minutes[0])
     fleet = simulate(pol, sc.records, perf, sc.targets, initial, S.DURATION)
     m = summarize(fleet, sc.targets, sc.steady, S.DURATION)
     m["policy"], m["knobs"] = name, knobs or {}
