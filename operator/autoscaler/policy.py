@@ -187,7 +187,7 @@ class Autoscaler:
         forecast = self._forecast(st.demand, snap.at + self.startup_s, demand)
         need = None
         if model is not None:
-            self._learn(role, snap, model(demand))
+            self._learn(role, snap, model(demand), model(demand * 1.25))
             need = min(lim.max * 4, model(max(forecast, demand)))
         inputs.update(demand=round(demand, 4), forecast=round(forecast, 4), target=target,
                       capacity_factor=round(st.correction, 3), need=need)
@@ -256,11 +256,13 @@ class Autoscaler:
         return rs.output_tokens_per_s + backlog, need_d, {"unit": "tokens/s", "context_tokens": round(ctx, 1),
                                                           "slots_per_replica": round(slots, 3)}
 
-    def _learn(self, role: str, snap: PoolSnapshot, planned: int) -> None:
+    def _learn(self, role: str, snap: PoolSnapshot, planned: int, tight: int) -> None:
         """Correct the capacity factor from a steady window (replicas all ready, none draining, traffic
-        flowing, a latency measured): above the band at no more load than planned, capacity was
-        overrated (-10%); well below the target (< 0.75) while running at the planned count, it was
-        underrated (+2%, a slow probe that the scale-down window and steps pace)."""
+        flowing, a latency measured) in which the model's view can be checked: above the band while the
+        model said the ready replicas suffice (``planned`` <= ready), capacity was overrated (-10%); well
+        below the target (< 0.75) while the model said the count is tight (25% more load would need more
+        replicas: ``tight`` > ready), it was underrated (+2%, a slow probe paced by the scale-down
+        window). Low latency at low load says nothing about capacity, so it teaches nothing."""
         rs, st, lim = snap.role(role), self.state[role], self.limits[role]
         lat = rs.latency
         if (rs.signal != "ok" or rs.starting or rs.draining or rs.ready <= 0 or lat is None
@@ -269,7 +271,7 @@ class Autoscaler:
         ratio = lat / lim.target
         if ratio > 1 + lim.tolerance and planned <= rs.ready:
             st.correction = max(0.3, st.correction * 0.9)
-        elif ratio < 0.75 and planned >= rs.ready:
+        elif ratio < 0.75 and tight > rs.ready:
             st.correction = min(3.0, st.correction * 1.02)
 
     @staticmethod

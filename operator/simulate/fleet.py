@@ -6,8 +6,8 @@ The model (seconds, tokens; costs from the calibration through :class:`~tandem.o
 - router: sends each request to the prefill replica with the least work queued and to the decode replica
   with the fewest running sequences; with no ready replica of a role it queues the request
   (``router_queued``, the scale-from-zero signal). When the last decision set ``absorb_bursts`` and the
-  chosen prefill replica would finish later than the TTFT target, it prefills on the least-loaded decode
-  replica instead (the local-prefill path).
+  chosen prefill replica would finish later than the TTFT target, it prefills on a decode replica that
+  runs nothing instead (the local-prefill path; a busy one would stall its batch).
 - prefill replica: first come, first served, one prompt at a time; a request holds it for the
   calibrated remote-prefill time (the prefill compute or the KV push, whichever is longer) and its first
   token comes at the end of it.
@@ -182,8 +182,12 @@ class Fleet:
         p = min(pre, key=lambda r: (r.busy_until, r.rid)) if pre else None
         done = (max(now, p.busy_until) + s) if p is not None else math.inf
         if self.absorb and done - now > self.targets["prefill"]:
-            self._local_prefill(now, d, req)
-            return True
+            # only a decode replica with nothing running has headroom here: a local prefill stalls the
+            # whole batch (no chunked prefill), which would break the TPOT of every running sequence
+            idle = [r for r in dec if not r.running and not r.pending_local]
+            if idle:
+                self._local_prefill(now, idle[0], req)
+                return True
         start = max(now, p.busy_until)
         p.busy_until = start + s
         p.queue.append(start)
