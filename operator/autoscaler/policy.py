@@ -142,6 +142,10 @@ class Autoscaler:
                 decisions[r] = RoleDecision(r, cur, lim.min, s.rec, rs.signal,
                                             f"autoscaling is off: {lim.min} replicas", None, s.inputs)
                 continue
+            if not st.recs and lim.down_window > 0:
+                # the first decision: as if the current count had been recommended until now, so that a
+                # restarted autoscaler does not drop a serving pool before its window has seen anything
+                st.recs.append((at - lim.down_window, cur))
             st.recs.append((at, s.rec))
             horizon = max(lim.up_window, lim.down_window, lim.up_period, lim.down_period) + 1
             while st.recs and st.recs[0][0] < at - horizon:

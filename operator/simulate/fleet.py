@@ -150,7 +150,7 @@ class Fleet:
     def run(self) -> "Fleet":
         for req in self.requests:
             self._push(req.arrival, "arrive", req.i)
-        t = 0.0
+        t = self.window_s   # the first tick sees a full metrics window
         while t <= self.duration:
             self._push(t, "tick")
             t += self.tick_s
