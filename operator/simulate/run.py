@@ -209,18 +209,9 @@ def table(perf: PerfModel, calibration, tuned: dict, seed: int = 0, names=S.NAME
         for p in POLICIES:
             m, fleet = run_one(p, sc, perf, calibration, tuned.get(n, {}).get(p))
             if n in ("prompt-shift", "output-shift"):
-                m["shift"] = shift_change(fleet)
+                m["steady_change"] = steady_change(fleet)
             out[n][p] = m
     return out
-
-
-def shift_change(fleet: Fleet, at: float = S.SHIFT_AT) -> dict:
-    """Per role: the count at the shift, and the largest move away from it afterwards."""
-    tl = fleet.timeline
-    before = [x for x in tl if x["t"] <= at][-1]
-    after = [x for x in tl if x["t"] > at]
-    return {r: {"at_shift": before[r], "max_after": max(x[r] for x in after),
-                "min_after": min(x[r] for x in after)} for r in ROLES}
 
 
 def format_table(tab: dict) -> str:
@@ -237,4 +228,66 @@ def format_table(tab: dict) -> str:
                          f"{m['prefill']['actions']}/{m['decode']['actions']} | "
                          f"{m['prefill']['direction_changes']}/{m['decode']['direction_changes']} | "
                          f"{m['prefill']['flaps_per_10min']}/{m['decode']['flaps_per_10min']} |")
+    return "\n".join(lines)
+
+
+def steady_change(fleet: Fleet, at: float = S.SHIFT_AT, settle: float = 600.0) -> dict:
+    """Per role: the median count over the ``settle`` seconds before the shift and after it has settled
+    (from ``at + settle`` to the end), and the difference."""
+    out = {}
+    for r in ROLES:
+        before = [x[r] for x in fleet.timeline if at - settle <= x["t"] < at]
+        after = [x[r] for x in fleet.timeline if x["t"] >= at + settle]
+        b, a = float(np.median(before)), float(np.median(after))
+        out[r] = {"before": b, "after": a, "change": a - b}
+    return out
+
+
+def _att(m: dict) -> float:
+    return min(m["attainment_ttft"], m["attainment_tpot"])
+
+
+def aims(tab: dict) -> list[dict]:
+    """Issue 10's aims for tandem's policy, each {scenario, aim, ok, detail}, from a table (see table())."""
+    out = []
+
+    def add(sc, aim, ok, detail):
+        out.append({"scenario": sc, "aim": aim, "ok": bool(ok), "detail": detail})
+    failing = {p: [] for p in POLICIES if p not in ("tandem", "oracle")}
+    for sc, pols in tab.items():
+        t, o = pols["tandem"], pols["oracle"]
+        add(sc, "attainment >= 95% (TTFT and TPOT)", meets(t),
+            f"TTFT {t['attainment_ttft']:.1%}, TPOT {t['attainment_tpot']:.1%}")
+        add(sc, "GPU-hours <= 1.2x oracle", t["gpu_hours"] <= 1.2 * o["gpu_hours"] + 1e-9,
+            f"{t['gpu_hours']:.2f} vs {o['gpu_hours']:.2f} (x{t['gpu_hours'] / o['gpu_hours']:.2f})")
+        if sc in ("diurnal", "bursts"):
+            st = pols["static"]
+            add(sc, "GPU-hours <= 0.7x best static", t["gpu_hours"] <= 0.7 * st["gpu_hours"] + 1e-9,
+                f"{t['gpu_hours']:.2f} vs {st['gpu_hours']:.2f} (x{t['gpu_hours'] / st['gpu_hours']:.2f}; static "
+                f"{'meets' if meets(st) else 'misses'} the SLO)")
+        flaps = max(t["prefill"]["flaps_per_10min"], t["decode"]["flaps_per_10min"])
+        add(sc, "<= 2 direction changes per pool per 10 min at steady load", flaps <= 2,
+            f"prefill {t['prefill']['flaps_per_10min']}, decode {t['decode']['flaps_per_10min']}")
+        if "steady_change" in t:
+            ch = t["steady_change"]
+            grow, other = ("prefill", "decode") if sc == "prompt-shift" else ("decode", "prefill")
+            add(sc, f"{grow} grows, {other} changes by <= 1", ch[grow]["change"] > 0 and abs(ch[other]["change"]) <= 1,
+                f"{grow} {ch[grow]['before']:g} -> {ch[grow]['after']:g}, {other} {ch[other]['before']:g} -> "
+                f"{ch[other]['after']:g}")
+        for p in failing:
+            b = pols[p]
+            better = (_att(t) > _att(b) and t["gpu_hours"] <= b["gpu_hours"]) or \
+                     (t["gpu_hours"] < b["gpu_hours"] and _att(t) >= _att(b))
+            add(sc, f"beats {p}", better, f"attainment {_att(t):.1%} vs {_att(b):.1%}, GPU-h {t['gpu_hours']:.2f} vs "
+                                          f"{b['gpu_hours']:.2f}")
+            if not meets(b) or b["gpu_hours"] > 1.2 * o["gpu_hours"]:
+                failing[p].append(sc)
+    for p, where in failing.items():
+        add("all", f"{p} fails somewhere (SLO, or GPU-h > 1.2x oracle)", bool(where), ", ".join(where) or "nowhere")
+    return out
+
+
+def format_aims(rows: list[dict]) -> str:
+    lines = ["| scenario | aim | met | detail |", "|---|---|---|---|"]
+    lines += [f"| {r['scenario']} | {r['aim']} | {'yes' if r['ok'] else '**no**'} | {r['detail']} |" for r in rows]
     return "\n".join(lines)
