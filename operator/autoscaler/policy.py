@@ -224,8 +224,8 @@ class Autoscaler:
     def _demand(self, role: str, snap: PoolSnapshot):
         """(demand, replicas-needed function of a demand or None without a model, inputs).
 
-        prefill: demand in erlangs (arrivals/s x the calibrated service of the mean prompt, plus the
-        queued prompts' work spread over a start-up time), sized as one M/G/c queue; decode: output
+        prefill: demand in erlangs (arrivals/s x the calibrated service of the mean prompt), sized as one
+        M/G/c queue (prompts already queued in a worker stay there: new replicas would not take them); decode: output
         tokens/s (plus the queued sequences' tokens over a start-up time), over the tokens/s one replica
         generates at the SLO. Both scaled by the capacity factor learned online."""
         rs, st, lim = snap.role(role), self.state[role], self.limits[role]
@@ -244,7 +244,7 @@ class Autoscaler:
             return load, None, {}
         if role == "prefill":
             s = self.perf.remote_prefill_seconds(max(prompt, 1.0))
-            demand = rs.arrivals_per_s * s + rs.waiting * s / self.startup_s
+            demand = rs.arrivals_per_s * s
             most = lim.max * 4
 
             def need(x):
@@ -294,7 +294,7 @@ class Autoscaler:
             return now_value
         # the trend from the fitted level now, capped at twice the present (a trend, not a burst)
         level = mv + slope * (ts[-1] - mt)
-        return max(now_value, min(2 * max(now_value, 1e-9), level + slope * (when - ts[-1])))
+        return max(now_value, min(1.25 * max(now_value, 1e-9), level + slope * (when - ts[-1])))
 
     # ------------------------------------------------------------------------------------------
     def _behave(self, role: str, cur: int, rec: int, at: float, rs: RoleSnapshot, wake: bool

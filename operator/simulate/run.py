@@ -29,9 +29,9 @@ POLICIES = ("tandem", "static", "hpa-queue", "dynamo", "apa", "oracle")
 #: Each baseline's knob grid (tuned on seed 1, per scenario).
 GRIDS = {
     "hpa-queue": [{"prefill_q": p, "decode_q": d} for p in (0.5, 1.0, 2.0) for d in (0.25, 0.5, 1.0)],
-    "dynamo": [{"scale": s} for s in (0.3, 0.4, 0.5, 0.7, 1.0)],
+    "dynamo": [{"scale": s} for s in (0.15, 0.2, 0.3, 0.5, 0.7)],
     "apa": [{"fraction": f} for f in (0.5, 0.6, 0.7, 0.85)],
-    "oracle": [{"utilization": u} for u in (0.8, 1.0, 1.2, 1.5)],
+    "oracle": [{"utilization": u} for u in (1.0, 1.25, 1.5, 2.0)],
 }
 TUNED_FILE = Path(__file__).with_name("tuned.json")
 ATTAINMENT_AIM = 0.95
