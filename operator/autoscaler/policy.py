@@ -108,16 +108,19 @@ class Autoscaler:
         correction_alpha: weight of each new observation in the latency correction (0..1).
         headroom: the fraction of the SLO capacity the demand sizing plans to use (0..1]; the rest absorbs
             noise between ticks.
+        catch_up_s: prefill sizes to drain its backlog within this many seconds of new replicas being
+            ready (see ``_catch_up``).
     """
 
     def __init__(self, spec, calibration=None, *, startup_s: float = 120.0, forecast_window_s: float = 180.0,
-                 correction_alpha: float = 0.2, headroom: float = 0.8):
+                 correction_alpha: float = 0.2, headroom: float = 0.8, catch_up_s: float = 60.0):
         self.spec = spec
         self.perf = PerfModel.of(calibration)
         self.startup_s = float(startup_s)
         self.forecast_window_s = float(forecast_window_s)
         self.correction_alpha = float(correction_alpha)
         self.headroom = float(headroom)
+        self.catch_up_s = float(catch_up_s)
         self.limits = {"prefill": RoleLimits.of(spec.prefill, 1.0), "decode": RoleLimits.of(spec.decode, 0.1)}
         pa = spec.autoscaling
         self.scale_to_zero = bool(pa.scaleToZero)
@@ -188,12 +191,19 @@ class Autoscaler:
         st.demand.append((snap.at, demand))
         while st.demand and st.demand[0][0] < snap.at - self.forecast_window_s:
             st.demand.popleft()
-        forecast = self._forecast(st.demand, snap.at + self.startup_s, demand)
-        need = None
+        level, forecast = self._forecast(st.demand, snap.at + self.startup_s, demand)
+        need = urgent = None
         if model is not None:
             self._learn(role, snap, model(demand), model(demand * 1.25))
-            need = min(lim.max * 4, model(max(forecast, demand)))
-        inputs.update(demand=round(demand, 4), forecast=round(forecast, 4), target=target,
+            # up on the window's own demand (or its trend), down only as far as the smoothed level
+            # allows: one noisy window can add a replica but not take one away
+            catch = self._catch_up(role, rs, demand, inputs)
+            need = min(lim.max * 4, model(max(forecast, demand) + catch))
+            smooth = min(lim.max * 4, model(max(forecast, level)))
+            if need < cur:
+                need = min(cur, max(need, smooth))
+            urgent = need
+        inputs.update(demand=round(demand, 4), level=round(level, 4), forecast=round(forecast, 4), target=target,
                       capacity_factor=round(st.correction, 3), need=need)
         lat = rs.latency
         if lat is None or (isinstance(lat, float) and math.isnan(lat)):
@@ -204,7 +214,7 @@ class Autoscaler:
         if ratio > 1 + lim.tolerance:
             # HPA's proportional rule on the ready replicas; starting ones are the capacity on the way
             prop = math.ceil(max(rs.ready, 1) * min(ratio, 2.0) - 1e-9)
-            rec = max(cur, prop, need or 0)
+            rec = max(cur, prop, urgent or 0)
             if rec == cur and rs.starting == 0 and rs.waiting > 0:
                 rec = cur + 1
             return _Sized(rec, f"{self._metric(role)} {lat:.3g}s above target {target:.3g}s (x{ratio:.2f}); "
@@ -225,7 +235,7 @@ class Autoscaler:
         """(demand, replicas-needed function of a demand or None without a model, inputs).
 
         prefill: demand in erlangs (arrivals/s x the calibrated service of the mean prompt), sized as one
-        M/G/c queue (prompts already queued in a worker stay there: new replicas would not take them); decode: output
+        M/G/c queue (plus a catch-up load for its backlog, ``_catch_up``); decode: output
         tokens/s (plus the queued sequences' tokens over a start-up time), over the tokens/s one replica
         generates at the SLO. Both scaled by the capacity factor learned online."""
         rs, st, lim = snap.role(role), self.state[role], self.limits[role]
@@ -260,6 +270,22 @@ class Autoscaler:
         return rs.output_tokens_per_s + backlog, need_d, {"unit": "tokens/s", "context_tokens": round(ctx, 1),
                                                           "slots_per_replica": round(slots, 3)}
 
+    def _catch_up(self, role: str, rs: RoleSnapshot, demand: float, inputs: dict) -> float:
+        """Prefill's extra load (erlangs) to drain, within ``catch_up_s`` of the new replicas being ready,
+        the backlog that will have built by then: the work queued now plus what the ready replicas
+        cannot serve (demand above one erlang each) for one start-up time (after Flink's autoscaler,
+        which sizes for a catch-up duration). The router sends each prompt to the least-loaded worker, so
+        new replicas share the backlog's waiting: it drains at (ready - demand) erlangs. Decode builds no
+        queue (its sequences batch and slow down), so it has none."""
+        if role != "prefill" or self.perf is None or demand <= 0:
+            return 0.0
+        s = inputs.get("service_s", 0.0)
+        backlog = rs.waiting * s + max(0.0, demand - rs.ready) * self.startup_s
+        catch = backlog / self.catch_up_s
+        if catch > 0:
+            inputs["catch_up"] = round(catch, 3)
+        return catch
+
     def _learn(self, role: str, snap: PoolSnapshot, planned: int, tight: int) -> None:
         """Correct the capacity factor from a steady window (replicas all ready, none draining, traffic
         flowing, a latency measured) in which the model's view can be checked: above the band while the
@@ -279,22 +305,26 @@ class Autoscaler:
             st.correction = min(3.0, st.correction * 1.02)
 
     @staticmethod
-    def _forecast(hist: deque, when: float, now_value: float) -> float:
-        if len(hist) < 3:
-            return now_value
+    def _forecast(hist: deque, when: float, now_value: float) -> tuple[float, float]:
+        """(level, forecast) of the demand: a least-squares line through the recent window gives the
+        level now (the noise of one window averaged out) and, when its slope is significant (t > 2)
+        and rising, the value at ``when``, capped at 1.25x the level (a trend, not a burst)."""
+        n = len(hist)
+        if n < 4:
+            return now_value, now_value
         ts = [t for t, _ in hist]
         vs = [v for _, v in hist]
-        n = len(ts)
         mt, mv = sum(ts) / n, sum(vs) / n
         var = sum((t - mt) ** 2 for t in ts)
         if var <= 0:
-            return now_value
+            return now_value, now_value
         slope = sum((t - mt) * (v - mv) for t, v in zip(ts, vs)) / var
-        if slope <= 0:
-            return now_value
-        # the trend from the fitted level now, capped at twice the present (a trend, not a burst)
-        level = mv + slope * (ts[-1] - mt)
-        return max(now_value, min(1.25 * max(now_value, 1e-9), level + slope * (when - ts[-1])))
+        level = max(0.0, mv + slope * (ts[-1] - mt))
+        resid = sum((v - (mv + slope * (t - mt))) ** 2 for t, v in zip(ts, vs)) / max(1, n - 2)
+        se = math.sqrt(resid / var) if resid > 0 else 0.0
+        if slope <= 0 or (se > 0 and slope / se < 2):
+            return level, level
+        return level, min(1.25 * max(level, 1e-9), level + slope * (when - ts[-1]))
 
     # ------------------------------------------------------------------------------------------
     def _behave(self, role: str, cur: int, rec: int, at: float, rs: RoleSnapshot, wake: bool

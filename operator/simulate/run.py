@@ -271,9 +271,11 @@ def aims(tab: dict) -> list[dict]:
         if "steady_change" in t:
             ch = t["steady_change"]
             grow, other = ("prefill", "decode") if sc == "prompt-shift" else ("decode", "prefill")
+            oc = o.get("steady_change", {})
             add(sc, f"{grow} grows, {other} changes by <= 1", ch[grow]["change"] > 0 and abs(ch[other]["change"]) <= 1,
                 f"{grow} {ch[grow]['before']:g} -> {ch[grow]['after']:g}, {other} {ch[other]['before']:g} -> "
-                f"{ch[other]['after']:g}")
+                f"{ch[other]['after']:g} (medians; the oracle: {other} {oc[other]['before']:g} -> "
+                f"{oc[other]['after']:g})" if oc else "")
         for p in failing:
             b = pols[p]
             better = (_att(t) > _att(b) and t["gpu_hours"] <= b["gpu_hours"]) or \
