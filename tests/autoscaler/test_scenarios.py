@@ -6,7 +6,6 @@ other aim fails."""
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -141,3 +140,27 @@ def test_cli(tmp_path):
     r4 = subprocess.run(tandem + ["simulate", "--scenario", "step", "--policy", "nope"], capture_output=True,
                         text=True, env=env, timeout=120)
     assert r4.returncode == 2 and "unknown policy" in r4.stderr
+
+
+def test_scale_to_zero_and_wake_in_the_simulator():
+    """A pool with scaleToZero goes to 0 over an idle gap (the idle signal), the router queues the next
+    requests, the policy wakes both roles and every request is served."""
+    from tandem.operator.autoscaler.policy import Autoscaler
+    from tandem.operator.spec import load_manifest
+    sc = S.build("step", PERF, 0)
+    m = S.manifest(sc)
+    m["spec"]["autoscaling"]["scaleToZero"] = True
+    for role in ("prefill", "decode"):
+        m["spec"][role]["autoscaling"]["minReplicas"] = 0
+    spec = load_manifest(m).spec
+    records = [r for r in sc.records if r["timestamp"] < 120] + \
+              [dict(r, timestamp=r["timestamp"] + 1500) for r in sc.records if r["timestamp"] < 30]
+    fleet = R.simulate(Autoscaler(spec, CAL), records, PERF, sc.targets, {"prefill": 2, "decode": 2}, 2100.0)
+    counts = [(x["t"], x["prefill"], x["decode"]) for x in fleet.timeline]
+    assert any(p == 0 and d == 0 for t, p, d in counts if 600 < t < 1500), counts
+    assert any(d.prefill.signal == "idle" for d in fleet.decisions)
+    woken = [d for d in fleet.decisions if "woken" in d.prefill.reason]
+    assert woken and woken[0].at >= 1500 and "woken" in woken[0].decode.reason
+    assert all(r.finish == r.finish for r in fleet.requests)   # no NaN: every request finished
+    late = [r for r in fleet.requests if r.arrival >= 1500]
+    assert min(r.ttft for r in late) >= S.STARTUP_S - 30   # they waited for a replica to start (arrivals span 30 s)
