@@ -1,0 +1,166 @@
+"""Issue 10's five scenarios: every policy on every scenario in the simulator (seed 0, the baselines'
+knobs tuned on seed 1 and committed in operator/simulate/tuned.json), the table printed, and the aims
+asserted. Aims that the measurements show out of reach are listed in KNOWN_MISSES with the figures in
+bench/RESULTS.md; the test fails if one of them starts to pass (update the list and the docs) or if any
+other aim fails."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tandem.operator.autoscaler.capacity import PerfModel
+from tandem.operator.simulate import run as R
+from tandem.operator.simulate import scenarios as S
+from tandem.operator.simulate.tune import DEFAULT_CALIBRATION, table_all
+from tandem.worker.bench.calibration import Calibration
+
+pytestmark = pytest.mark.timeout(600)
+CAL = Calibration.load(DEFAULT_CALIBRATION)
+PERF = PerfModel.of(CAL)
+
+_START = ("a x3.3 step with a 120 s start-up: the 4 ready workers queue the surge for ~135 s and those "
+          "requests finish with TTFT up to ~100 s until minute 24 (4 of 61 windows)")
+_STATIC = ("the best static fleet, tuned in hindsight on seed 1, meets every SLO at the peak's size; tandem pays "
+           "the start-up transients in attainment (or, in bursts, replicas that arrive after each burst)")
+_LATENCY_FIRST = "reaches 100% with about twice tandem's GPU-hours; tandem's slightly lower attainment forbids 'beats'"
+#: (scenario, aim) pairs measured out of reach, each with why (bench/RESULTS.md has the table).
+KNOWN_MISSES: dict = {
+    ("step", "attainment >= 95% (TTFT and TPOT)"): _START,
+    ("step", "beats static"): _STATIC,
+    ("step", "beats hpa-queue"): "hpa-queue holds ~1.6x tandem's GPU-hours, which absorbs the step: " + _START,
+    ("step", "beats dynamo"): "dynamo (tuned) holds ~1.8x tandem's GPU-hours: " + _START,
+    ("diurnal", "GPU-hours <= 0.7x best static"): "even the oracle is at 0.89x: small pools queue worse (M/G/c), "
+                                                 "so the trough still needs about half the peak's replicas",
+    ("diurnal", "beats static"): _STATIC,
+    ("diurnal", "beats dynamo"): _LATENCY_FIRST,
+    ("diurnal", "beats apa"): _LATENCY_FIRST,
+    ("bursts", "GPU-hours <= 1.2x oracle"): "60 s bursts are shorter than the 120 s start-up: replicas added in a "
+                                            "burst arrive after it (an up-window of 45-60 s cost attainment instead)",
+    ("bursts", "GPU-hours <= 0.7x best static"): "even the oracle is at 0.94x static",
+    ("bursts", "beats static"): _STATIC,
+    ("bursts", "beats dynamo"): _LATENCY_FIRST,
+    ("prompt-shift", "attainment >= 95% (TTFT and TPOT)"): "the x4 prompt shift is a x3.8 step of prefill work: "
+                                                            "same start-up transient as the step",
+    ("prompt-shift", "GPU-hours <= 1.2x oracle"): "the catch-up that drains the shift's backlog overshoots to 16",
+    ("prompt-shift", "prefill grows, decode changes by <= 1"): "decode steps slow with context (f*batch*context: "
+                                                              "+0.04 s per sequence at 1024 tokens), so decode needs "
+                                                              "more replicas too; the oracle also goes 1 -> 5",
+    ("prompt-shift", "beats static"): _STATIC,
+    ("prompt-shift", "beats hpa-queue"): "hpa-queue holds 1.5x tandem's GPU-hours through the transient",
+    ("prompt-shift", "beats dynamo"): _LATENCY_FIRST,
+    ("output-shift", "<= 2 direction changes per pool per 10 min at steady load"):
+        "decode's demand (40-token outputs at ~1.2 req/s) is noisy in 30 s windows; 3 changes once",
+    ("output-shift", "beats static"): _STATIC,
+    ("all", "static fails somewhere (SLO, or GPU-h > 1.2x oracle)"): "hindsight-best per scenario, it meets "
+        "every SLO within 1.2x the oracle: the scenarios' mean loads are 0.6-0.75 of their own peaks",
+}
+
+
+@pytest.fixture(scope="module")
+def table():
+    return table_all(DEFAULT_CALIBRATION, R.load_tuned(), jobs=2)
+
+
+def test_every_policy_on_every_scenario(table):
+    rows = R.aims(table)
+    print("\n" + R.format_table(table) + "\n\n" + R.format_aims(rows))
+    missed = {(r["scenario"], r["aim"]) for r in rows if not r["ok"]}
+    unexpected = [r for r in rows if not r["ok"] and (r["scenario"], r["aim"]) not in KNOWN_MISSES]
+    assert not unexpected, unexpected
+    now_met = [k for k in KNOWN_MISSES if k not in missed]
+    assert not now_met, f"listed as out of reach but met now (update KNOWN_MISSES and RESULTS.md): {now_met}"
+    # the simulation itself: every request served, the oracle's knowledge helps
+    for sc, pols in table.items():
+        for p, m in pols.items():
+            assert m["finished"] == m["requests"], (sc, p)
+        assert R.meets(pols["oracle"]), sc
+
+
+def test_tuned_knobs_are_current():
+    """tuned.json covers every baseline on every scenario, and one cheap re-tuning reproduces it."""
+    tuned = R.load_tuned()
+    for n in S.NAMES:
+        assert set(tuned[n]) == {p for p in R.POLICIES if p != "tandem"}, n
+    sc = S.build("output-shift", PERF, 1)
+    assert R.tune("apa", sc, PERF, CAL) == tuned["output-shift"]["apa"]
+
+
+def test_scenarios_are_deterministic_and_as_specified():
+    a, b = S.build("bursts", PERF, 0), S.build("bursts", PERF, 0)
+    assert a.records == b.records and S.build("bursts", PERF, 1).records != a.records
+    for n in S.NAMES:
+        sc = S.build(n, PERF, 0)
+        ts = [r["timestamp"] for r in sc.records]
+        assert 0 <= ts[0] and ts[-1] < S.DURATION
+        assert all(r["output_tokens"] >= 2 for r in sc.records)
+    step = S.build("step", PERF, 0)
+    before = sum(1 for r in step.records if 600 <= r["timestamp"] < 1200) / 600
+    after = sum(1 for r in step.records if 1800 <= r["timestamp"] < 2400) / 600
+    assert after / before == pytest.approx(1.0 / 0.3, rel=0.15)
+    ps = S.build("prompt-shift", PERF, 0)
+    import numpy as np
+    p0 = np.median([r["prompt_tokens"] for r in ps.records if r["timestamp"] < 1200])
+    p1 = np.median([r["prompt_tokens"] for r in ps.records if r["timestamp"] >= 1200])
+    assert p1 / p0 == pytest.approx(4, rel=0.1)
+
+
+def test_static_fleet_accounting():
+    """A static fleet's GPU-hours are its size times the run; a generous one meets the SLOs."""
+    sc = S.build("diurnal", PERF, 0)
+    m, fleet = R.run_one("static", sc, PERF, CAL, {"prefill": 12, "decode": 12})
+    assert m["gpu_hours"] == pytest.approx(24 * fleet.end / 3600, rel=1e-6)
+    assert R.meets(m) and m["prefill"]["actions"] == 0
+    small, _ = R.run_one("static", sc, PERF, CAL, {"prefill": 1, "decode": 1})
+    # one prefill replica is the bottleneck (the lone decode replica only sees what it lets through)
+    assert small["attainment_ttft"] < 0.5 and small["p90_ttft"] > 10 * m["p90_ttft"]
+
+
+def test_cli(tmp_path):
+    env = {"PYTHONSAFEPATH": "1", "PATH": "/usr/bin:/bin"}
+    tandem = [sys.executable, "-m", "tandem.worker.cli"]
+    r = subprocess.run(tandem + ["simulate", "--scenario", "output-shift", "--policy", "tandem", "--json",
+                                 "--write-trace", str(tmp_path / "t.jsonl"), "--write-pool", str(tmp_path / "p.yaml"),
+                                 "--plot", str(tmp_path / "p.png")], capture_output=True, text=True, env=env,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["results"]["tandem"]["requests"] == out["trace"]["requests"] > 1000
+    assert (tmp_path / "p.png").stat().st_size > 10000
+    # the same run from the written pool and trace gives the same figures
+    r2 = subprocess.run(tandem + ["simulate", "--pool", str(tmp_path / "p.yaml"), "--trace", str(tmp_path / "t.jsonl"),
+                                  "--policy", "tandem", "--json"], capture_output=True, text=True, env=env, timeout=300)
+    assert r2.returncode == 0, r2.stderr
+    assert json.loads(r2.stdout)["results"]["tandem"]["gpu_hours"] == out["results"]["tandem"]["gpu_hours"]
+    # bad input: a clear error, exit 2
+    (tmp_path / "bad.yaml").write_text((tmp_path / "p.yaml").read_text().replace("target:", "targetx:"))
+    r3 = subprocess.run(tandem + ["simulate", "--pool", str(tmp_path / "bad.yaml"), "--trace", str(tmp_path / "t.jsonl")],
+                        capture_output=True, text=True, env=env, timeout=120)
+    assert r3.returncode == 2 and "error:" in r3.stderr
+    r4 = subprocess.run(tandem + ["simulate", "--scenario", "step", "--policy", "nope"], capture_output=True,
+                        text=True, env=env, timeout=120)
+    assert r4.returncode == 2 and "unknown policy" in r4.stderr
+
+
+def test_scale_to_zero_and_wake_in_the_simulator():
+    """A pool with scaleToZero goes to 0 over an idle gap (the idle signal), the router queues the next
+    requests, the policy wakes both roles and every request is served."""
+    from tandem.operator.autoscaler.policy import Autoscaler
+    from tandem.operator.spec import load_manifest
+    sc = S.build("step", PERF, 0)
+    m = S.manifest(sc)
+    m["spec"]["autoscaling"]["scaleToZero"] = True
+    for role in ("prefill", "decode"):
+        m["spec"][role]["autoscaling"]["minReplicas"] = 0
+    spec = load_manifest(m).spec
+    records = [r for r in sc.records if r["timestamp"] < 120] + \
+              [dict(r, timestamp=r["timestamp"] + 1500) for r in sc.records if r["timestamp"] < 30]
+    fleet = R.simulate(Autoscaler(spec, CAL), records, PERF, sc.targets, {"prefill": 2, "decode": 2}, 2100.0)
+    counts = [(x["t"], x["prefill"], x["decode"]) for x in fleet.timeline]
+    assert any(p == 0 and d == 0 for t, p, d in counts if 600 < t < 1500), counts
+    assert any(d.prefill.signal == "idle" for d in fleet.decisions)
+    woken = [d for d in fleet.decisions if "woken" in d.prefill.reason]
+    assert woken and woken[0].at >= 1500 and "woken" in woken[0].decode.reason
+    assert all(r.finish == r.finish for r in fleet.requests)   # no NaN: every request finished
+    late = [r for r in fleet.requests if r.arrival >= 1500]
+    assert min(r.ttft for r in late) >= S.STARTUP_S - 30   # they waited for a replica to start (arrivals span 30 s)
