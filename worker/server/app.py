@@ -39,12 +39,15 @@ class WorkerServer:
         kv_server: the KV transfer server (prefill role), else None.
         transfer_deadline: seconds a remote prefill may take before decode prefills locally.
         max_request_bytes: the largest request body accepted (413 above it).
+        startup: the process's :class:`tandem.worker.server.startup.StartupStatus` (shown at /health).
     """
 
     def __init__(self, role: str, aengine: AsyncEngine, pool: str, model_name: str,
                  kv_server: KVTransferServer | None = None, kv_port: int | None = None,
-                 transfer_deadline: float = 120.0, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES):
+                 transfer_deadline: float = 120.0, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+                 startup=None):
         self.role, self.aengine, self.model_name = role, aengine, model_name
+        self.startup = startup   # the StartupStatus of this process (phase timings), or None
         self.engine = aengine.engine
         self.max_request_bytes = max_request_bytes
         self.char_limit = max_prompt_chars(self.engine.tokenizer, self.engine.max_model_len)
@@ -90,6 +93,10 @@ class WorkerServer:
             "num_requests": len(self.engine.seqs),
             "block_size": self.engine.config.block_size, "max_model_len": self.engine.max_model_len,
             "kv_capacity_tokens": bm.num_blocks * self.engine.config.block_size,
+            # the model's identity (content, resolved dtype, quantization): the router pairs only
+            # workers that report the same one
+            "model_fingerprint": self.engine.fingerprint.hex(), "dtype": self.engine.config.dtype,
+            "startup": self.startup.as_dict() if self.startup is not None else None,
         }, status=200 if ok else 500)
 
     async def ready(self, request: web.Request) -> web.Response:
