@@ -3,6 +3,7 @@ tokenizer trained on a few sentences, saved as real Hugging Face directories (co
 model.safetensors, tokenizer.json) so the engine loads them through its normal path."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -196,3 +197,51 @@ def hf_to_gguf(hf_dir: Path, out: Path, rope_freqs: bool = True) -> Path:
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+def write_random_llama(path: Path, layers: int = 8, hidden: int = 2048, inter: int = 5632, heads: int = 16,
+                       kv_heads: int = 4, vocab: int = 32000, dtype=torch.bfloat16, seed: int = 0,
+                       tie: bool = False) -> int:
+    """A Llama-style HF directory with random ``dtype`` weights (one safetensors file) and the tiny
+    tokenizer; returns the weights' bytes. The defaults,
+    8 x 2048 with a 32000 vocabulary, are ~0.49B parameters, ~1 GB in bf16; Llama-3.2-1B's shape is
+    ``layers=16, inter=8192, heads=32, kv_heads=8, vocab=128256, tie=True``."""
+    from safetensors.torch import save_file
+    from tiny_models import build_tokenizer
+
+    path.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer(path)
+    hd = hidden // heads
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
+    if not tie:
+        shapes["lm_head.weight"] = (vocab, hidden)
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (hidden,), p + "post_attention_layernorm.weight": (hidden,),
+                       p + "self_attn.q_proj.weight": (heads * hd, hidden),
+                       p + "self_attn.k_proj.weight": (kv_heads * hd, hidden),
+                       p + "self_attn.v_proj.weight": (kv_heads * hd, hidden),
+                       p + "self_attn.o_proj.weight": (hidden, heads * hd),
+                       p + "mlp.gate_proj.weight": (inter, hidden), p + "mlp.up_proj.weight": (inter, hidden),
+                       p + "mlp.down_proj.weight": (hidden, inter)})
+    tensors = {}
+    for name, shape in shapes.items():
+        t = torch.empty(shape, dtype=torch.float32)
+        if len(shape) == 1:
+            t.normal_(1.0, 0.05, generator=g)
+        else:
+            t.normal_(0.0, 1.0 / hidden ** 0.5, generator=g)
+        tensors[name] = t.to(dtype)
+        del t
+    save_file(tensors, str(path / "model.safetensors"))
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    del tensors
+    (path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab,
+        "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": tie,
+        "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id,
+        "torch_dtype": str(dtype).removeprefix("torch.")}))
+    return nbytes

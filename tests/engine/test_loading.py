@@ -16,55 +16,11 @@ import torch
 from tandem.worker.engine.config import EngineConfig
 from tandem.worker.engine.llm_engine import LLMEngine
 from tandem.worker.engine.loader import load_model
+from tiny_models import write_random_llama
 
 ROOT = Path(__file__).resolve().parents[2]
 BF16_REL = 1e-2     # DESIGN.md: bf16 relative error bound
 FP32_REL = 1e-4
-
-
-def write_random_llama(path: Path, layers: int = 8, hidden: int = 2048, inter: int = 5632, heads: int = 16,
-                       kv_heads: int = 4, vocab: int = 32000, dtype=torch.bfloat16, seed: int = 0) -> int:
-    """A Llama-style HF directory with random ``dtype`` weights (one safetensors file) and the tiny
-    tokenizer; returns the weights' bytes. 8 x 2048 with a 32000 vocabulary is ~0.49B parameters,
-    ~1 GB in bf16."""
-    from safetensors.torch import save_file
-    from tiny_models import build_tokenizer
-
-    path.mkdir(parents=True, exist_ok=True)
-    tok = build_tokenizer(path)
-    hd = hidden // heads
-    g = torch.Generator().manual_seed(seed)
-    shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,),
-              "lm_head.weight": (vocab, hidden)}
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        shapes.update({p + "input_layernorm.weight": (hidden,), p + "post_attention_layernorm.weight": (hidden,),
-                       p + "self_attn.q_proj.weight": (heads * hd, hidden),
-                       p + "self_attn.k_proj.weight": (kv_heads * hd, hidden),
-                       p + "self_attn.v_proj.weight": (kv_heads * hd, hidden),
-                       p + "self_attn.o_proj.weight": (hidden, heads * hd),
-                       p + "mlp.gate_proj.weight": (inter, hidden), p + "mlp.up_proj.weight": (inter, hidden),
-                       p + "mlp.down_proj.weight": (hidden, inter)})
-    tensors = {}
-    for name, shape in shapes.items():
-        t = torch.empty(shape, dtype=torch.float32)
-        if len(shape) == 1:
-            t.normal_(1.0, 0.05, generator=g)
-        else:
-            t.normal_(0.0, 1.0 / hidden ** 0.5, generator=g)
-        tensors[name] = t.to(dtype)
-        del t
-    save_file(tensors, str(path / "model.safetensors"))
-    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-    del tensors
-    (path / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab,
-        "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": layers,
-        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "max_position_embeddings": 4096,
-        "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False,
-        "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id,
-        "torch_dtype": str(dtype).removeprefix("torch.")}))
-    return nbytes
 
 
 CHILD = r"""
