@@ -9,7 +9,10 @@ serving layout); the figure is the peak above the post-import RSS. Variants:
   ``main``), read with ``git show`` from ``--repo`` (default /work/main) and imported as modules;
 * ``safe_open``: ``safetensors.safe_open`` per tensor into bf16, then the serving layout (why the
   loader reads with ``preadv`` instead: the file's mapped pages stay resident);
-* ``tandem``: this tree's ``load_model(path, bfloat16)`` and ``LlamaModel``.
+* ``tandem``: this tree's ``load_model(path, dtype)`` and ``LlamaModel``.
+
+Both serving dtypes are run by default: bfloat16 (the file's own: no conversion) and float32 (the
+CPU default: every tensor converted).
 
     .venv/bin/python bench/load_model.py [--shape llama-3.2-1b] [--repeats 1] [--keep DIR]
 """
@@ -37,7 +40,8 @@ from tandem.kernels.ops import select_ops
 from tandem.worker.engine.loader import load_model
 from tandem.worker.models.llama import LlamaModel
 
-variant, path, repo, rev = sys.argv[1:5]
+variant, path, repo, rev, dtype_name = sys.argv[1:6]
+dtype = getattr(torch, dtype_name)
 
 def hwm():
     return int(re.search(r"VmHWM:\s+(\d+)", open("/proc/self/status").read()).group(1)) * 1024
@@ -63,26 +67,32 @@ open("/proc/self/clear_refs", "w").write("5")
 t0 = time.monotonic()
 if variant == "main":
     loaded = old_loader.load_model(path)
-    model = old_llama.LlamaModel(loaded.config, loaded.weights, ops, torch.bfloat16, "cpu", 4096)
+    model = old_llama.LlamaModel(loaded.config, loaded.weights, ops, dtype, "cpu", 4096)
 elif variant == "safe_open":
     from safetensors import safe_open
-    loaded = load_model(path, torch.bfloat16)          # config and tokenizer; weights replaced below
+    loaded = load_model(path, dtype)          # config and tokenizer; weights replaced below
     loaded.weights.clear()
     with safe_open(f"{path}/model.safetensors", framework="pt", device="cpu") as f:
         for k in f.keys():
-            loaded.weights[k] = f.get_tensor(k).to(torch.bfloat16)
-    model = LlamaModel(loaded.config, loaded.weights, ops, torch.bfloat16, "cpu", 4096)
+            loaded.weights[k] = f.get_tensor(k).to(dtype)
+    model = LlamaModel(loaded.config, loaded.weights, ops, dtype, "cpu", 4096)
 else:
-    loaded = load_model(path, torch.bfloat16)
-    model = LlamaModel(loaded.config, loaded.weights, ops, torch.bfloat16, "cpu", 4096)
+    loaded = load_model(path, dtype)
+    model = LlamaModel(loaded.config, loaded.weights, ops, dtype, "cpu", 4096)
 seconds = time.monotonic() - t0
-print(json.dumps({"variant": variant, "seconds": seconds, "peak_above_imports": hwm() - base}))
+
+def served_bytes(m):   # main's LlamaModel has no weight_bytes()
+    ts = {id(t): t for t in [m.embed, m.lm_head, m.norm] + [v for L in m.layers for v in L.values()]
+          if isinstance(t, torch.Tensor)}
+    return sum(t.numel() * t.element_size() for t in ts.values())
+
+print(json.dumps({"variant": variant, "dtype": dtype_name, "served_bytes": served_bytes(model), "seconds": seconds, "peak_above_imports": hwm() - base}))
 """
 
 
-def run_child(variant: str, path: Path, repo: str, rev: str) -> dict:
+def run_child(variant: str, path: Path, repo: str, rev: str, dtype: str) -> dict:
     env = {**os.environ, "PYTHONSAFEPATH": "1"}
-    r = subprocess.run([sys.executable, "-c", CHILD, variant, str(path), repo, rev], cwd=ROOT, env=env,
+    r = subprocess.run([sys.executable, "-c", CHILD, variant, str(path), repo, rev, dtype], cwd=ROOT, env=env,
                        capture_output=True, text=True)
     if r.returncode != 0:
         raise SystemExit(f"{variant} failed:\n{r.stderr[-3000:]}")
@@ -96,6 +106,7 @@ def main() -> None:
     ap.add_argument("--repo", default="/work/main", help="the git repository of the baseline")
     ap.add_argument("--baseline", default="main", help="the baseline's revision")
     ap.add_argument("--variants", default="main,safe_open,tandem")
+    ap.add_argument("--dtypes", default="bfloat16,float32", help="serving dtypes (the file is bf16)")
     ap.add_argument("--keep", default=None, help="write the model here and keep it (default: a temp dir)")
     args = ap.parse_args()
 
@@ -112,15 +123,16 @@ def main() -> None:
         print(f"{args.shape}: {nbytes / 1e9:.2f} GB of bf16 weights in {model}")
         rows = []
         for _ in range(args.repeats):
-            for v in args.variants.split(","):
-                # read the file once first so every variant starts from a warm page cache
-                subprocess.run(["cat", str(model / "model.safetensors")], stdout=subprocess.DEVNULL, check=True)
-                rows.append(run_child(v, model, args.repo, args.baseline))
-        print(f"| variant | load s | peak RSS above imports, GB | x weight bytes |")
-        print(f"| --- | --- | --- | --- |")
+            for dt in args.dtypes.split(","):
+                for v in args.variants.split(","):
+                    # read the file once first so every variant starts from a warm page cache
+                    subprocess.run(["cat", str(model / "model.safetensors")], stdout=subprocess.DEVNULL, check=True)
+                    rows.append(run_child(v, model, args.repo, args.baseline, dt))
+        print("| serving dtype | variant | load s | peak RSS above imports, GB | x served weight bytes |")
+        print("| --- | --- | --- | --- | --- |")
         for r in rows:
-            print(f"| {r['variant']} | {r['seconds']:.1f} | {r['peak_above_imports'] / 1e9:.2f} | "
-                  f"{r['peak_above_imports'] / nbytes:.2f} |")
+            print(f"| {r['dtype']} | {r['variant']} | {r['seconds']:.1f} | {r['peak_above_imports'] / 1e9:.2f} | "
+                  f"{r['peak_above_imports'] / r['served_bytes']:.2f} |")
     finally:
         if not args.keep:
             import shutil
