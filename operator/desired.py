@@ -40,6 +40,7 @@ class Capabilities:
     service_monitor: bool = False                 # monitoring.coreos.com/v1 servicemonitors
     gie_api_version: Optional[str] = None          # inference.networking.x-k8s.io/v1alpha2 or ...k8s.io/v1
     pod_deletion_cost: bool = False                # 1.21+
+    network_policies: bool = True                  # networking.k8s.io/v1 networkpolicies
 
 
 def labels(pool: str, role: Optional[str] = None) -> dict[str, str]:
@@ -269,15 +270,23 @@ def gie_inference_pool(pool: S.InferencePool, api_version: str) -> dict[str, Any
 
 
 def desired_objects(pool: S.InferencePool, caps: Capabilities = Capabilities(),
-                    current_replicas: Optional[dict[str, int]] = None) -> list[dict[str, Any]]:
-    """Every child the pool should have, in apply order."""
+                    current_replicas: Optional[dict[str, int]] = None,
+                    pool_secret_hash: Optional[str] = None) -> list[dict[str, Any]]:
+    """Every child the pool should have, in apply order, but the pool Secret (random: the reconciler
+    makes it, and passes its digest as ``pool_secret_hash``; see security.py)."""
+    from . import security
     cur = current_replicas or {}
     objs: list[dict[str, Any]] = [config_map(pool), *router_rbac(pool)]
     objs += [service(pool, r) for r in S.ROLES]
     reps = {"prefill": desired_replicas(pool.spec.prefill, cur.get("prefill")),
             "decode": desired_replicas(pool.spec.decode, cur.get("decode")),
             "router": pool.spec.router.replicas}
-    objs += [deployment(pool, r, reps[r]) for r in S.ROLES]
+    for r in S.ROLES:
+        dep = deployment(pool, r, reps[r])
+        security.add_credentials(dep, pool, r, pool_secret_hash)
+        objs.append(dep)
+    if caps.network_policies:
+        objs += security.network_policies(pool, lambda name, role: _meta(pool, name, role))
     objs += [pdb(pool, r, caps.pdb_api_version) for r in S.ROLES]
     if caps.service_monitor:
         objs.append(service_monitor(pool))

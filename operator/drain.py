@@ -3,7 +3,8 @@
 POSTs /drain (the worker stops admitting work and turns not-ready, so it drops out of the Endpoints),
 then polls GET /drain until nothing is left in flight or the timeout passes. The kubelet then sends
 SIGTERM; terminationGracePeriodSeconds is set 10 s above the timeout. Exits 0 in every case, so a
-missing /drain route (an older worker) never blocks termination. Standard library only.
+missing /drain route (an older worker) never blocks termination. Where the pod mounts the pool secret
+(TANDEM_POOL_SECRET_FILE), the POST carries the pool token: a worker takes a drain only from its pool.
 """
 from __future__ import annotations
 
@@ -38,9 +39,15 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     url = f"http://{a.host}:{a.port}/drain"
     deadline = time.time() + a.timeout
+    headers = {"Content-Type": "application/json"}
     try:
-        urllib.request.urlopen(urllib.request.Request(url, data=b"{}", method="POST",
-                                                      headers={"Content-Type": "application/json"}), timeout=5).read()
+        from tandem.worker.api.auth import load_pool_secret, pool_headers
+        headers.update(pool_headers(load_pool_secret()))
+    except Exception as e:  # noqa: BLE001 - SIGTERM drains too; never block termination
+        print(f"drain: no pool token: {e}", file=sys.stderr)
+    try:
+        urllib.request.urlopen(urllib.request.Request(url, data=b"{}", method="POST", headers=headers),
+                               timeout=5).read()
     except Exception as e:  # noqa: BLE001
         print(f"drain: POST {url}: {e}", file=sys.stderr)
         return 0

@@ -182,6 +182,7 @@ def object_path(api_version: str, plural: str, namespace: Optional[str], name: O
 PLURALS = {"Deployment": "deployments", "Service": "services", "ConfigMap": "configmaps",
            "ServiceAccount": "serviceaccounts", "Role": "roles", "RoleBinding": "rolebindings",
            "PodDisruptionBudget": "poddisruptionbudgets", "ServiceMonitor": "servicemonitors",
+           "NetworkPolicy": "networkpolicies", "Secret": "secrets",
            "InferencePool": "inferencepools", "Event": "events"}
 
 

@@ -7,8 +7,10 @@ workers (SIGTERM, which they treat as drain-then-exit), and kills what is left a
 """
 from __future__ import annotations
 
+import base64
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -22,7 +24,10 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
+
 from tandem.operator.spec import SpecError, initial_replicas, load_manifest, worker_config
+from tandem.worker.api import auth
 from tandem.worker.serve_cli import PARENT_PID_ENV
 
 
@@ -54,14 +59,44 @@ class LocalFleet:
         host: the address every process binds (loopback by default).
         router_port: the router's port (0: a free one).
         log_stream: where prefixed process output goes.
+        pool_secret: give the pool a fresh shared secret (workers then serve only this fleet's router
+            and each other; docs/security.md). False: no pool credential, as a test that plays the
+            router needs.
+
+    Raises SpecError for an invalid manifest, or for an ``apiKeySecretRef`` that neither the manifest
+    file nor ``TANDEM_API_KEYS`` / ``TANDEM_API_KEY_FILE`` can satisfy.
     """
 
-    def __init__(self, manifest: str, host: str = "127.0.0.1", router_port: int = 8000, log_stream=None):
+    def __init__(self, manifest: str, host: str = "127.0.0.1", router_port: int = 8000, log_stream=None,
+                 pool_secret: bool = True):
         self.pool = load_manifest(manifest)
+        self.api_keys = local_api_keys(manifest, self.pool)
         self.host, self.router_port = host, router_port or free_port(host)
         self.out = log_stream or sys.stdout
         self.dir = Path(tempfile.mkdtemp(prefix=f"tandem-{self.pool.metadata.name}-"))
         self.procs: list[Proc] = []
+        self.secret_file = self.api_key_file = None
+        if pool_secret:
+            self.secret_file = _private_file(self.dir / "pool-secret", secrets.token_urlsafe(32))
+        if self.api_keys:
+            self.api_key_file = _private_file(self.dir / "api-keys", "\n".join(self.api_keys) + "\n")
+
+    @property
+    def worker_headers(self) -> dict[str, str]:
+        """The headers this fleet's router sends its workers (the pool token), for callers that play
+        the router."""
+        return auth.pool_headers(self.secret_file.read_bytes().strip()) if self.secret_file else {}
+
+    def _credential_env(self, role: str) -> dict[str, str]:
+        """The process's credentials by file, never on the command line (``ps`` shows that): the pool
+        secret for every role, the API keys for the router only."""
+        env = {k: v for k, v in os.environ.items() if k not in (
+            auth.API_KEYS_ENV, auth.API_KEY_FILE_ENV, auth.POOL_SECRET_ENV, auth.POOL_SECRET_FILE_ENV)}
+        if self.secret_file:
+            env[auth.POOL_SECRET_FILE_ENV] = str(self.secret_file)
+        if self.api_key_file and role == "router":
+            env[auth.API_KEY_FILE_ENV] = str(self.api_key_file)
+        return env
 
     @property
     def endpoint(self) -> str:
@@ -77,7 +112,7 @@ class LocalFleet:
                *extra]
         # PYTHONSAFEPATH: `python -m` must not put the working directory on sys.path, where a checkout's
         # top-level operator/ folder would shadow the standard library's `operator`
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONSAFEPATH": "1",
+        env = {**self._credential_env(role), "PYTHONUNBUFFERED": "1", "PYTHONSAFEPATH": "1",
                PARENT_PID_ENV: str(os.getpid())}   # the process exits with this one (see serve_cli)
         popen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                  env=env, start_new_session=True)
@@ -141,10 +176,45 @@ class LocalFleet:
         """One chat completion through the router; returns the answer's text."""
         body = json.dumps({"model": self.pool.spec.model.name, "max_tokens": max_tokens, "temperature": 0,
                            "messages": [{"role": "user", "content": question}]}).encode()
-        req = urllib.request.Request(self.endpoint + "/v1/chat/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
+        headers = {"Content-Type": "application/json"}
+        if self.api_keys:
+            headers["Authorization"] = f"Bearer {self.api_keys[0]}"
+        req = urllib.request.Request(self.endpoint + "/v1/chat/completions", data=body, headers=headers)
         with urllib.request.urlopen(req, timeout=300) as r:
             return json.loads(r.read())["choices"][0]["message"]["content"]
+
+
+def _private_file(path: Path, text: str) -> Path:
+    """Write a credential readable by this user only (0600 from creation, never wider)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    return path
+
+
+def local_api_keys(manifest: str, pool) -> list[str]:
+    """The API keys of a local fleet: the Secret that ``spec.router.apiKeySecretRef`` names, read from
+    the manifest file itself (a ``kind: Secret`` document, ``stringData`` or base64 ``data``), plus
+    ``TANDEM_API_KEYS`` / ``TANDEM_API_KEY_FILE``. Empty: the router is open.
+
+    Raises SpecError when the reference cannot be satisfied."""
+    env_keys = auth.KeyStore.from_env()
+    keys = env_keys.keys() if env_keys else []
+    ref = pool.spec.router.apiKeySecretRef
+    if ref is None:
+        return keys
+    docs = [d for d in yaml.safe_load_all(Path(manifest).read_text()) if isinstance(d, dict)]
+    found = next((d for d in docs if d.get("kind") == "Secret" and (d.get("metadata") or {}).get("name") == ref.name),
+                 None)
+    if found is not None:
+        for v in (found.get("stringData") or {}).values():
+            keys += auth.parse_keys(str(v))
+        for v in (found.get("data") or {}).values():
+            keys += auth.parse_keys(base64.b64decode(v).decode())
+    if not keys:
+        raise SpecError([("spec.router.apiKeySecretRef", f"names Secret {ref.name!r}, which this manifest file "
+                          f"does not hold (or holds no key); add it, or set {auth.API_KEYS_ENV}")])
+    return keys
 
 
 def run_up(args) -> int:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from . import desired as D
+from . import security
 from . import spec as S
 from .kube import Kube, KubeError, is_permanent, object_path, path_of
 
@@ -117,7 +118,8 @@ class Reconciler:
         gie = next((v for v in GIE_VERSIONS if k.has(v, "inferencepools", ttl=10)), None)
         return D.Capabilities(pdb_api_version=k.pdb_api_version(),
                               service_monitor=k.has("monitoring.coreos.com/v1", "servicemonitors", ttl=10),
-                              gie_api_version=gie, pod_deletion_cost=False)
+                              gie_api_version=gie, pod_deletion_cost=False,
+                              network_policies=k.has("networking.k8s.io/v1", "networkpolicies", ttl=10))
 
     # ---- events ---------------------------------------------------------------------------------
     def event(self, body: dict, reason: str, message: str, type_: str = "Normal") -> None:
@@ -144,6 +146,8 @@ class Reconciler:
         pass over many pools then compares in memory instead of one GET per child."""
         # pods are not children, but status reads their state
         types = list(CHILD_TYPES) + [(caps.pdb_api_version, "poddisruptionbudgets"), ("v1", "pods")]
+        if caps.network_policies:
+            types.append(("networking.k8s.io/v1", "networkpolicies"))
         if caps.service_monitor:
             types.append(("monitoring.coreos.com/v1", "servicemonitors"))
         if caps.gie_api_version:
@@ -205,11 +209,12 @@ class Reconciler:
                 existing[role] = d
                 if d is not None:
                     current[role] = d.get("spec", {}).get("replicas", 1)
+            secret_hash = self._pool_secret(pool, res)
             key = (md.get("uid"), md.get("generation"), md.get("resourceVersion") if md.get("generation") is None
-                   else None, caps, tuple(sorted(current.items())))
+                   else None, caps, tuple(sorted(current.items())), secret_hash)
             want = self._desired_cache.get(key)
             if want is None:  # the desired objects are a pure function of this key: compute once
-                want = D.desired_objects(pool, caps, current)
+                want = D.desired_objects(pool, caps, current, secret_hash)
                 if len(self._desired_cache) > 4096:
                     self._desired_cache.clear()
                 self._desired_cache[key] = want
@@ -276,6 +281,25 @@ class Reconciler:
         st = self._status(old_status, generation, deployments, degraded=degraded)
         res.status_written = self._write_status(ns, name, old_status, st, body)
         return res
+
+    def _pool_secret(self, pool: S.InferencePool, res: Result) -> str:
+        """The digest of the pool's shared secret, made first when missing (a new pool, or a rotation:
+        someone deleted it). Always read from the API server (never from a snapshot: the operator may
+        get a Secret by name but does not list Secrets)."""
+        ns, name = pool.metadata.namespace or "default", pool.metadata.name
+        path = object_path("v1", "secrets", ns, security.pool_secret_name(name))
+        have = self.kube.get(path)
+        if have is not None and not any(r.get("uid") == pool.metadata.uid
+                                        for r in have["metadata"].get("ownerReferences", [])):
+            # not ours (a name clash, or left by a deleted pool of the same name): never use or touch it
+            raise KubeError(409, f"Secret {ns}/{security.pool_secret_name(name)} exists and is not owned by "
+                                 f"this pool; delete or rename it")
+        if have is None:
+            obj = security.new_pool_secret(pool, D._meta(pool, security.pool_secret_name(name)))
+            have = self.kube.request("POST", object_path("v1", "secrets", ns), body=obj)
+            res.applied.append(f"Secret/{obj['metadata']['name']}")
+            self.stats["applies"] += 1
+        return security.secret_hash(have)
 
     def _drop_other_gie(self, keep: str, ns: str, name: str, uid: Optional[str], res: Result) -> None:
         """Delete this pool's GIE InferencePool in the other served version: when the GA v1 CRD

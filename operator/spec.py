@@ -186,6 +186,29 @@ class GatewaySpec(_Model):
 # ---------------------------------------------------------------------------------------------
 # The resource
 
+class PolicyPeer(_Model):
+    """One source a NetworkPolicy admits (Kubernetes NetworkPolicyPeer, matchLabels only): pods
+    matching podSelector in namespaces matching namespaceSelector, or an ipBlock."""
+    podSelector: Optional[dict[str, str]] = Field(None, description="matchLabels of the source pods.")
+    namespaceSelector: Optional[dict[str, str]] = Field(None, description=(
+        "matchLabels of the source namespaces ({}: every namespace). Absent: the pool's namespace."))
+    ipBlock: Optional[str] = Field(None, description="A CIDR, e.g. 10.0.0.0/8 (alone, without selectors).",
+                                   pattern=r"^[0-9a-fA-F:.]+/[0-9]{1,3}$", max_length=64)
+
+
+class NetworkPolicySpec(_Model):
+    """NetworkPolicies of the pool (docs/security.md). They are enforced only where the cluster's
+    network plugin enforces NetworkPolicy."""
+    enabled: bool = Field(True, description=(
+        "Make the pool's NetworkPolicies: workers admit only the pool's router, each other and "
+        "workersFrom; the router admits routerFrom."))
+    routerFrom: list[PolicyPeer] = Field(default_factory=list, description=(
+        "Who may reach the router's port. Empty: anyone."))
+    workersFrom: list[PolicyPeer] = Field(default_factory=list, description=(
+        "Who else may reach the workers' HTTP port (metrics scrapers); the tandem operator's pods "
+        "(label app.kubernetes.io/name=tandem-operator, any namespace) always may."))
+
+
 class InferencePoolSpec(_Model):
     """A disaggregated serving pool: a router, a prefill pool and a decode pool."""
     model: ModelSpec = Field(description="The served model.")
@@ -195,6 +218,8 @@ class InferencePoolSpec(_Model):
     router: RouterSpec = Field(default_factory=RouterSpec, description="The router.")
     autoscaling: PoolAutoscaling = Field(default_factory=PoolAutoscaling, description="Pool-wide autoscaling.")
     gateway: Optional[GatewaySpec] = Field(None, description="Optional Gateway API Inference Extension integration.")
+    networkPolicy: NetworkPolicySpec = Field(default_factory=NetworkPolicySpec, description=(
+        "Who may talk to the pool's pods (enforced where the network plugin enforces NetworkPolicy)."))
 
 
 class ObjectMeta(BaseModel):
@@ -283,6 +308,12 @@ def cross_field_problems(spec: InferencePoolSpec) -> list[tuple[str, str]]:
                     f"must be <= ratio.max ({pool_as.ratio.min} > {pool_as.ratio.max})"))
     if pool_as.metrics.source == "prometheus" and not pool_as.metrics.url:
         out.append(("spec.autoscaling.metrics.url", "is required when metrics.source is prometheus"))
+    for field in ("routerFrom", "workersFrom"):
+        for i, peer in enumerate(getattr(spec.networkPolicy, field)):
+            sel = peer.podSelector is not None or peer.namespaceSelector is not None
+            if sel == (peer.ipBlock is not None):
+                out.append((f"spec.networkPolicy.{field}[{i}]",
+                            "set ipBlock, or podSelector and/or namespaceSelector (exactly one kind)"))
     if pool_as.gpuBudget is not None:
         need = (initial_replicas(spec.prefill) * _gpus(spec.prefill)
                 + initial_replicas(spec.decode) * _gpus(spec.decode))

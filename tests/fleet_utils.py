@@ -39,8 +39,13 @@ def example_manifest(overrides: dict | None = None, name: str = "e2e") -> Path:
     return f
 
 
-def start_fleet(overrides: dict | None = None, name: str = "e2e") -> LocalFleet:
-    fleet = LocalFleet(str(example_manifest(overrides, name)), router_port=0, log_stream=sys.stderr)
+def start_fleet(overrides: dict | None = None, name: str = "e2e", pool_secret: bool = False,
+                manifest: Path | None = None) -> LocalFleet:
+    """A local fleet of the example (or ``manifest``). Without ``pool_secret`` (the default here, not in
+    `tandem up`) its workers take requests from anyone, as the suites that play the router and call
+    workers directly need; tests/serving/test_auth.py runs fleets with it."""
+    fleet = LocalFleet(str(manifest or example_manifest(overrides, name)), router_port=0, log_stream=sys.stderr,
+                       pool_secret=pool_secret)
     try:
         fleet.start(timeout=300)
     except Exception:

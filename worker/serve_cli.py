@@ -129,16 +129,18 @@ async def _serve_worker(args, cfg) -> None:
         aengine.start()
         kv_server, kv_port = None, None
         if args.role == "prefill":
-            kv_server = KVTransferServer(aengine, engine.kv_layout())
+            kv_server = KVTransferServer(aengine, engine.kv_layout(), secret=args.pool_secret)
             kv_port = await kv_server.start(args.host, args.kv_port if args.kv_port is not None else args.port + 1)
             log.info("KV transfer server on %s:%d", args.host, kv_port)
         server = WorkerServer(args.role, aengine, cfg.pool, engine.model_name, kv_server, kv_port,
-                              max_request_bytes=args.max_request_bytes, startup=status)
+                              max_request_bytes=args.max_request_bytes, api_keys=args.api_keys,
+                              pool_secret=args.pool_secret, startup=status)
         state.update(server=server, kv_server=kv_server, aengine=aengine)
         await front.attach(server)
         status.ready()
 
-    await _run_site(front.app(args.max_request_bytes), args.host, args.port, on_signal, start_engine)
+    await _run_site(front.app(args.max_request_bytes, args.api_keys, args.pool_secret), args.host, args.port,
+                    on_signal, start_engine)
     if "error" in state:   # the load failed: exit with its error (the termination message names it)
         raise state["error"]
 
@@ -152,7 +154,8 @@ async def _serve_router(args, cfg) -> None:
     router = Router(cfg.pool, cfg.model.name, source, cfg.model.dtype, cfg.model.quantization,
                     load_tokenizer(source), cfg.engine.blockSize, make_discovery(cfg.discovery),
                     cfg.router.remotePrefillMinTokens, cfg.router.routing,
-                    max_model_len=cfg.model.maxModelLen, max_request_bytes=args.max_request_bytes)
+                    max_model_len=cfg.model.maxModelLen, max_request_bytes=args.max_request_bytes,
+                    api_keys=args.api_keys, pool_secret=args.pool_secret)
 
     async def on_signal(stop: asyncio.Event) -> None:
         stop.set()
@@ -183,6 +186,16 @@ def _serve(args) -> int:
         print(f"error: {args.config}: {e}", file=sys.stderr)
         _write_termination_message(f"{args.config}: {e}")
         return 2
+    from tandem.worker.api.auth import AuthConfigError, KeyStore, load_pool_secret
+    try:
+        args.api_keys = KeyStore.from_env(path=args.api_key_file)
+        args.pool_secret = load_pool_secret(path=args.pool_secret_file)
+    except (OSError, AuthConfigError) as e:   # the message names the file, never a key
+        print(f"error: {e}", file=sys.stderr)
+        _write_termination_message(str(e))
+        return 2
+    log.info("API keys: %s; pool secret: %s", "required" if args.api_keys else "off",
+             "on" if args.pool_secret else "off")
     exit_with_parent()
     main = _serve_router if args.role == "router" else _serve_worker
     try:
@@ -210,6 +223,12 @@ def add_serve_commands(sub) -> None:
                    help="seconds SIGTERM waits for in-flight requests before exiting")
     s.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                    help=f"the largest request body accepted; larger ones get 413 (default {DEFAULT_MAX_REQUEST_BYTES})")
+    s.add_argument("--api-key-file", default=None, metavar="PATH",
+                   help="client API keys (Authorization: Bearer): a file, or a folder whose every file holds "
+                        "keys, one per line (a mounted Secret). Also: TANDEM_API_KEY_FILE, TANDEM_API_KEYS")
+    s.add_argument("--pool-secret-file", default=None, metavar="PATH",
+                   help="the pool's shared secret (router -> worker token, KV handshake). "
+                        "Also: TANDEM_POOL_SECRET_FILE, TANDEM_POOL_SECRET")
     s.set_defaults(func=_serve)
 
     u = sub.add_parser("up", help="run an InferencePool manifest as local processes (the embedded default)")

@@ -104,6 +104,7 @@ class StallingPrefillPeer:
 
             async def main():
                 async def handle(reader, writer):
+                    write_frame(writer, FrameType.CHALLENGE, {"nonce": "0" * 32})
                     _, hello, _ = await read_frame(reader, max_payload=0)
                     lay = hello["layout"]
                     write_frame(writer, FrameType.ACCEPT, {})

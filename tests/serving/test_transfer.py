@@ -20,6 +20,7 @@ PARAMS = SamplingParams.parse({"temperature": 0, "max_tokens": 10, "ignore_eos":
 class FixedPeers:
     """Stands in for the HTTP /health lookup of the prefill worker's KV port (named as such: the
     transfer itself is real); the full HTTP path is covered by tests/serving/test_fleet.py."""
+    secret = None   # a pool without a shared secret
 
     def __init__(self, port):
         self.port = port
@@ -175,6 +176,7 @@ def test_transfer_deadline_holds_against_a_peer_that_trickles_frames():
     the frame timeout, forever: only the whole-transfer deadline can end it."""
     async def main():
         async def trickle(reader, writer):
+            write_frame(writer, FrameType.CHALLENGE, {"nonce": "0" * 32})
             await read_frame(reader, max_payload=0)
             write_frame(writer, FrameType.ACCEPT, {})
             while True:
@@ -197,6 +199,7 @@ def test_frame_lengths_from_the_peer_are_bounded_before_allocation():
     by its header, without allocating, and says why."""
     async def main():
         async def liar(reader, writer):
+            write_frame(writer, FrameType.CHALLENGE, {"nonce": "0" * 32})
             await read_frame(reader, max_payload=0)
             writer.write(HEADER.pack(MAGIC, int(FrameType.BLOCKS), 2, 2**40) + b"{}")
             await writer.drain()
@@ -223,6 +226,7 @@ def test_kv_server_frees_everything_when_add_request_fails_unexpectedly(tiny_lla
         write_frame(writer, FrameType.HELLO, {"layout": pe.kv_layout(), "prompt_token_ids": [[1], [2]],
                                               "params": {"max_tokens": 1}})
         await writer.drain()
+        assert (await read_frame(reader, max_payload=0))[0] == FrameType.CHALLENGE
         assert await asyncio.wait_for(reader.read(), 10) == b""   # closed without an answer
         for _ in range(50):
             if server.active == 0:
@@ -248,6 +252,7 @@ def test_decode_leaving_mid_prefill_aborts_the_prefill_at_once(tiny_llama):
         write_frame(writer, FrameType.HELLO, {"layout": pe.kv_layout(), "prompt_token_ids": [i % 300 + 1 for i in range(480)],
                                               "params": {"max_tokens": 1}})
         await writer.drain()
+        assert (await read_frame(reader, max_payload=0))[0] == FrameType.CHALLENGE
         assert (await read_frame(reader, max_payload=0))[0] == FrameType.ACCEPT
         writer.close()
         for _ in range(100):

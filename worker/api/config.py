@@ -171,6 +171,12 @@ class ResourceRequirements(_Model):
     requests: dict[str, Quantity] = Field(default_factory=dict, description="Resource requests per resource name.")
 
 
+class SecretRef(_Model):
+    """A Secret in the pool's namespace."""
+    name: str = Field(description="Name of the Secret.", pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+                      max_length=253)
+
+
 class RouterSpec(_Model):
     """The router: OpenAI API front end that pairs a prefill with a decode worker per request."""
     replicas: int = Field(1, ge=1, le=1000, description="Router replicas.")
@@ -180,6 +186,10 @@ class RouterSpec(_Model):
         "Prompts shorter than this are prefilled on the decode worker itself."))
     resources: ResourceRequirements = Field(default_factory=ResourceRequirements, description=(
         "Container resources of each router pod."))
+    apiKeySecretRef: Optional[SecretRef] = Field(None, description=(
+        "A Secret holding the API keys clients must send (Authorization: Bearer): every entry of the "
+        "Secret holds one or more keys, one per line. Absent: the router is open to anyone who can reach "
+        "it. `tandem up` reads a Secret of this name from the manifest file, or TANDEM_API_KEYS."))
 
 
 _CROSS_MARK = "cross-field: "

@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -62,7 +63,7 @@ def _serve(args) -> int:
         else args.arrival
     load = LoadShape(arrival, args.request_rate, args.burstiness, args.ramp_end_rate, args.concurrency, args.seed)
     target = Target(args.base_url, args.model, args.endpoint, not args.no_ignore_eos, args.min_tokens,
-                    args.temperature, args.timeout)
+                    args.temperature, args.timeout, api_key=os.environ.get("OPENAI_API_KEY") or None)
     out = Path(args.output_dir) if args.output_dir else None
     if out:
         out.mkdir(parents=True, exist_ok=True)

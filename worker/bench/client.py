@@ -83,6 +83,7 @@ class Target:
     temperature: float = 0.0
     timeout: float = 600.0
     extra_body: dict = field(default_factory=dict)
+    api_key: str | None = None      # sent as Authorization: Bearer (docs/security.md)
 
     @property
     def url(self) -> str:
@@ -121,7 +122,10 @@ async def send(session: aiohttp.ClientSession, target: Target, req: BenchRequest
     body = target.body(req, history)
     rec.send_mono, rec.send_unix = time.monotonic(), time.time()
     try:
-        async with session.post(target.url, json=body, headers={"X-Bench-Request-Id": rec.id},
+        headers = {"X-Bench-Request-Id": rec.id}
+        if target.api_key:
+            headers["Authorization"] = f"Bearer {target.api_key}"
+        async with session.post(target.url, json=body, headers=headers,
                                 timeout=aiohttp.ClientTimeout(total=target.timeout)) as r:
             if r.status != 200:
                 return rec.fail(f"http_{r.status}", (await r.text())[:500])

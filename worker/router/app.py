@@ -17,6 +17,7 @@ import time
 import aiohttp
 from aiohttp import web
 
+from tandem.worker.api import auth
 from tandem.worker.api.block_hash import block_hashes
 from tandem.worker.api.errors import InvalidRequestError
 from tandem.worker.api.http import (DEFAULT_MAX_REQUEST_BYTES, PREFILL_PEER_HEADER, TTFT_HEADER, json_error,
@@ -47,12 +48,15 @@ class Router:
         max_model_len: the pool's context length in tokens, when the spec sets it: longer prompts are
             refused by their length in characters before tokenizing (the workers check tokens).
         max_request_bytes: the largest request body accepted (413 above it).
+        api_keys: the client API keys accepted (``Authorization: Bearer``), or None: open.
+        pool_secret: the pool's shared secret, proved to the workers (``X-Tandem-Pool-Token``).
     """
 
     def __init__(self, pool: str, model_name: str, model_source: str, dtype: str, quantization: str,
                  tokenizer, block_size: int, discovery, remote_prefill_min_tokens: int = 256,
                  routing: str = "prefix-affinity", health_interval: float = 1.0, queue_timeout: float = 30.0,
-                 max_model_len: int | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES):
+                 max_model_len: int | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+                 api_keys: auth.KeyStore | None = None, pool_secret: bytes | None = None):
         self.model_name, self.tok, self.block_size = model_name, tokenizer, block_size
         self.char_limit = max_prompt_chars(tokenizer, max_model_len) if max_model_len else None
         self.max_request_bytes = max_request_bytes
@@ -62,6 +66,8 @@ class Router:
         self.remote_min, self.routing = remote_prefill_min_tokens, routing
         self.health_interval, self.queue_timeout = health_interval, queue_timeout
         self.metrics = Metrics("router", pool)
+        self.api_keys = api_keys
+        self.worker_headers = auth.pool_headers(pool_secret)
         self.workers: dict[str, WorkerState] = {}
         self.session: aiohttp.ClientSession | None = None
         self._poller: asyncio.Task | None = None
@@ -70,7 +76,8 @@ class Router:
         self.queued = 0
 
     def app(self) -> web.Application:
-        return openai_app(self, self.max_request_bytes)
+        return auth.install(openai_app(self, self.max_request_bytes), self.api_keys, None,
+                            self.metrics.auth_refused)
 
     async def _startup(self, app) -> None:
         self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=3))
@@ -211,7 +218,7 @@ class Router:
                 self._rr += 1
                 self._log_refusals(d)
                 hashes = hashes_for(d.decode)
-                headers = {"Content-Type": "application/json"}
+                headers = {"Content-Type": "application/json", **self.worker_headers}
                 if d.prefill is not None:
                     headers[PREFILL_PEER_HEADER] = d.prefill.url
                 with _load(d):
@@ -227,6 +234,15 @@ class Router:
                         upstream.release()              # draining: try another decode worker
                         d.decode.ready = False
                         tried.add(d.decode.url)
+                        continue
+                    if upstream.status == 401:
+                        # a worker of another pool, or one rolled out with a rotated secret: another
+                        # decode worker (of this router's generation) may still take it
+                        upstream.release()
+                        log.warning("decode worker %s refused this router's pool credential", d.decode.url)
+                        tried.add(d.decode.url)
+                        if tried >= set(self.discovery.decode_urls()):
+                            return json_error("every decode worker refused this router's pool credential", 502)
                         continue
                     self.metrics.routing.labels(**self.metrics.labels, decision=d.reason).inc()
                     if upstream.status == 200:

@@ -14,6 +14,7 @@ import time
 import aiohttp
 from aiohttp import web
 
+from tandem.worker.api import auth
 from tandem.worker.api.errors import InvalidRequestError, error_body
 from tandem.worker.api.http import (DEFAULT_MAX_REQUEST_BYTES, PREFILL_PEER_HEADER, TTFT_HEADER, json_error,
                                     openai_app)
@@ -39,13 +40,16 @@ class WorkerServer:
         kv_server: the KV transfer server (prefill role), else None.
         transfer_deadline: seconds a remote prefill may take before decode prefills locally.
         max_request_bytes: the largest request body accepted (413 above it).
+        api_keys: client API keys accepted (a worker run alone), or None.
+        pool_secret: the pool's shared secret: the router's pool token is accepted, and the KV
+            handshake proves it (both ways). None: no pool credential.
         startup: the process's :class:`tandem.worker.server.startup.StartupStatus` (shown at /health).
     """
 
     def __init__(self, role: str, aengine: AsyncEngine, pool: str, model_name: str,
                  kv_server: KVTransferServer | None = None, kv_port: int | None = None,
                  transfer_deadline: float = 120.0, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-                 startup=None):
+                 api_keys: auth.KeyStore | None = None, pool_secret: bytes | None = None, startup=None):
         self.role, self.aengine, self.model_name = role, aengine, model_name
         self.startup = startup   # the StartupStatus of this process (phase timings), or None
         self.engine = aengine.engine
@@ -58,22 +62,25 @@ class WorkerServer:
         self.in_flight = 0
         self.session: aiohttp.ClientSession | None = None
         self.peers: remote_prefill.PrefillPeers | None = None
+        self.api_keys, self.pool_secret = api_keys, pool_secret
         if kv_server is not None:
             kv_server.on_sent = self._on_sent
+            kv_server.on_refused = lambda: self.metrics.auth_refused("kv")
 
     def _on_sent(self, nbytes: int, seconds: float) -> None:
         self.metrics.kv_transfer_bytes.labels(**self.metrics.labels, direction="sent").inc(nbytes)
         self.metrics.kv_transfer_seconds.observe(seconds)
 
     def app(self) -> web.Application:
-        app = openai_app(self, self.max_request_bytes)
+        app = auth.install(openai_app(self, self.max_request_bytes), self.api_keys, self.pool_secret,
+                           self.metrics.auth_refused)
         app.router.add_post("/drain", self.drain)
         app.router.add_get("/drain", self.drain_status)
         return app
 
     async def _startup(self, app) -> None:
         self.session = aiohttp.ClientSession()
-        self.peers = remote_prefill.PrefillPeers(self.session)
+        self.peers = remote_prefill.PrefillPeers(self.session, secret=self.pool_secret)
 
     async def _cleanup(self, app) -> None:
         await self.session.close()

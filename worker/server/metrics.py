@@ -10,6 +10,8 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from tandem.worker.api.auth import ENDPOINTS
+
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
 TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -55,12 +57,17 @@ class Metrics:
                                names + ["decision"], registry=r)
         self.router_queued = Gauge("tandem:router_queued_requests", "Requests the router holds for lack of "
                                    "a ready worker.", names, registry=r).labels(**self.labels)
+        self.auth_failures = Counter("tandem:auth_failures", "Requests and KV transfers refused for want of "
+                                     "a valid API key, pool token or KV handshake proof.",
+                                     names + ["endpoint"], registry=r)
         self.in_flight = Gauge("tandem:requests_in_flight", "Requests this process is serving.", names,
                                registry=r).labels(**self.labels)
         # every known label value from the start, at 0: a series that appears only on its first event
         # cannot be told apart from one that is not exported at all
         for direction in ("sent", "received"):
             self.kv_transfer_bytes.labels(**self.labels, direction=direction)
+        for endpoint in ENDPOINTS:
+            self.auth_failures.labels(**self.labels, endpoint=endpoint)
         for reason in ("stop", "length", "abort"):
             self.requests.labels(**self.labels, finished_reason=reason)
         if role == "router":
@@ -79,6 +86,10 @@ class Metrics:
         self.e2e.observe(e2e)
         for gap in itls or ():
             self.itl.observe(gap)
+
+    def auth_refused(self, endpoint: str) -> None:
+        """Count one refused request (``endpoint``: a path of :data:`auth.ENDPOINTS`, or "kv")."""
+        self.auth_failures.labels(**self.labels, endpoint=endpoint).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -21,6 +21,7 @@ import time
 
 from aiohttp import web
 
+from tandem.worker.api import auth
 from tandem.worker.api.http import json_error, openai_app
 
 log = logging.getLogger(__name__)
@@ -83,11 +84,17 @@ class StartingWorker:
         await server._startup(None)
         self.server = server
 
-    def app(self, max_request_bytes: int) -> web.Application:
-        app = openai_app(self, max_request_bytes)
+    def app(self, max_request_bytes: int, api_keys=None, pool_secret: bytes | None = None) -> web.Application:
+        """The worker's app: the same routes and the same auth check (:func:`tandem.worker.api.auth.install`)
+        as :meth:`WorkerServer.app`, refusals counted by the attached server's metrics."""
+        app = auth.install(openai_app(self, max_request_bytes), api_keys, pool_secret, self._refused)
         app.router.add_post("/drain", self.drain)
         app.router.add_get("/drain", self.drain_status)
         return app
+
+    def _refused(self, what: str) -> None:
+        if self.server is not None:
+            self.server.metrics.auth_refused(what)
 
     async def _startup(self, app) -> None:
         pass

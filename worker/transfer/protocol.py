@@ -3,13 +3,16 @@
 A frame is ``magic (4 bytes, b"TKV1") | type (u8) | json length (u32) | payload length (u64)``, little
 endian, then the JSON and the payload. One connection carries one transfer:
 
-    decode -> prefill   HELLO   {layout, request_id, prompt_token_ids, params}
-    prefill -> decode   ACCEPT  {} | REJECT {message}
+    prefill -> decode   CHALLENGE {nonce}                        (as soon as the connection opens)
+    decode -> prefill   HELLO   {layout, request_id, prompt_token_ids, params, auth?}
+    prefill -> decode   ACCEPT  {request_id, auth?} | REJECT {message}
     prefill -> decode   BLOCKS  {first_block, shape, dtype} + raw KV bytes   (repeated, as chunks finish)
     prefill -> decode   DONE    {token_id, logprob, top_logprobs}  | ERROR {message}
 
 The layout (model fingerprint, dtype, block size, layer count, KV heads, head dim) must match exactly,
-or the prefill worker refuses with a message that names both layouts.
+or the prefill worker refuses with a message that names both layouts. Where the pool has a shared
+secret, ``auth`` carries the HMAC proofs of :mod:`tandem.worker.transfer.handshake`, checked before
+anything else.
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ class FrameType(enum.IntEnum):
     BLOCKS = 4
     DONE = 5
     ERROR = 6
+    CHALLENGE = 7
 
 
 class TransferError(RuntimeError):

@@ -26,10 +26,11 @@ log = logging.getLogger(__name__)
 
 
 class PrefillPeers:
-    """Finds a prefill worker's KV port from its HTTP address (``GET /health`` -> ``kv_port``), cached."""
+    """Finds a prefill worker's KV port from its HTTP address (``GET /health`` -> ``kv_port``), cached.
+    ``secret`` is the pool secret the KV handshake proves (None: a pool without one)."""
 
-    def __init__(self, session: aiohttp.ClientSession, timeout: float = 3.0):
-        self.session, self.timeout = session, timeout
+    def __init__(self, session: aiohttp.ClientSession, timeout: float = 3.0, secret: bytes | None = None):
+        self.session, self.timeout, self.secret = session, timeout, secret
         self.ports: dict[str, int] = {}
 
     async def kv_address(self, peer_url: str) -> tuple[str, int]:
@@ -95,7 +96,8 @@ async def _pull(aengine: AsyncEngine, request_id: str, prompt_token_ids: list[in
             await aengine.call(engine.write_kv, request_id, first_block, data)
 
         done, nbytes = await pull_kv(host, port, hello, on_blocks, deadline=deadline,
-                                     max_payload=len(block_table) * engine.runner.block_bytes)
+                                     max_payload=len(block_table) * engine.runner.block_bytes,
+                                     secret=peers.secret)
     except TransferError as e:
         log.warning("request %s: remote prefill failed, prefilling locally: %s", request_id, e)
         peers.forget(prefill_peer)

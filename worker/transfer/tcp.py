@@ -21,6 +21,7 @@ from typing import Awaitable, Callable
 from tandem.worker.engine.async_engine import AsyncEngine, EngineDead
 from tandem.worker.engine.llm_engine import RequestOutput
 from tandem.worker.api.errors import InvalidRequestError
+from tandem.worker.transfer import handshake
 from tandem.worker.transfer.protocol import (FrameReceiver, FrameType, TransferError, payload_to_tensor,
                                              read_frame, tensor_to_payload, write_frame)
 
@@ -36,11 +37,16 @@ class KVTransferServer:
         on_sent: ``fn(num_bytes, seconds)`` per finished transfer (metrics).
         hello_timeout: seconds to wait for a HELLO after accepting a connection.
         frame_timeout: seconds one frame may take to leave (a decode worker that stops reading).
+        secret: the pool secret; when set, a HELLO without its proof is refused before anything is
+            allocated or computed (:mod:`tandem.worker.transfer.handshake`).
+        on_refused: ``fn()`` per HELLO refused for a missing or wrong proof (metrics).
     """
 
     def __init__(self, aengine: AsyncEngine, layout: dict, on_sent: Callable | None = None,
-                 hello_timeout: float = 10.0, frame_timeout: float = 30.0):
+                 hello_timeout: float = 10.0, frame_timeout: float = 30.0, secret: bytes | None = None,
+                 on_refused: Callable[[], None] | None = None):
         self.aengine, self.layout, self.on_sent = aengine, layout, on_sent
+        self.secret, self.on_refused = secret, on_refused
         self.hello_timeout, self.frame_timeout = hello_timeout, frame_timeout
         self.server: asyncio.AbstractServer | None = None
         self.active = 0          # transfers in flight (drain waits for them)
@@ -59,9 +65,18 @@ class KVTransferServer:
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.active += 1
         try:
+            nonce = handshake.new_nonce()
+            await self._send(writer, FrameType.CHALLENGE, {"nonce": nonce})
             ftype, meta, _ = await asyncio.wait_for(read_frame(reader, max_payload=0), self.hello_timeout)
             if ftype != FrameType.HELLO:
                 raise TransferError(f"expected HELLO, got {ftype.name}")
+            if not handshake.verify_hello(self.secret, nonce, meta):
+                log.warning("KV transfer from %s refused: no valid proof of this pool's secret",
+                            writer.get_extra_info("peername"))
+                if self.on_refused:
+                    self.on_refused()
+                await self._send(writer, FrameType.REJECT, {"message": "not authenticated for this pool"})
+                return
             if meta.get("layout") != self.layout:
                 msg = f"KV layout mismatch: prefill worker has {self.layout}, decode worker sent {meta.get('layout')}"
                 await self._send(writer, FrameType.REJECT, {"message": msg})
@@ -71,7 +86,8 @@ class KVTransferServer:
                 return
             # The decode side sends nothing after HELLO: EOF means it left (client gone, deadline,
             # its own abort), and the prefill stops at once rather than at its next write.
-            transfer = asyncio.ensure_future(self._transfer(meta, writer))
+            transfer = asyncio.ensure_future(self._transfer(meta, writer, handshake.accept_proof(
+                self.secret, nonce, meta)))
             peer_gone = asyncio.ensure_future(reader.read(1))
             try:
                 await asyncio.wait({transfer, peer_gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -95,7 +111,7 @@ class KVTransferServer:
         write_frame(writer, ftype, meta, payload)
         await asyncio.wait_for(writer.drain(), self.frame_timeout)
 
-    async def _transfer(self, meta: dict, writer: asyncio.StreamWriter) -> None:
+    async def _transfer(self, meta: dict, writer: asyncio.StreamWriter, proof: dict) -> None:
         """Prefill the HELLO's prompt and stream its KV blocks, then DONE with the first token."""
         sent, t0 = 0, time.monotonic()
         rid = self.aengine.new_request_id("prefill")
@@ -110,7 +126,7 @@ class KVTransferServer:
             except InvalidRequestError as e:
                 await self._send(writer, FrameType.REJECT, {"message": str(e)})
                 return
-            await self._send(writer, FrameType.ACCEPT, {"request_id": rid})
+            await self._send(writer, FrameType.ACCEPT, {"request_id": rid, **proof})
             async for item in h.outputs():
                 if isinstance(item, RequestOutput):
                     lp = item.logprobs[0] if item.logprobs else None
@@ -131,7 +147,8 @@ class KVTransferServer:
 async def pull_kv(host: str, port: int, hello: dict,
                   on_blocks: Callable[[int, object], Awaitable[None]],
                   connect_timeout: float = 5.0, frame_timeout: float = 30.0,
-                  deadline: float = 300.0, max_payload: int = 0) -> tuple[dict, int]:
+                  deadline: float = 300.0, max_payload: int = 0,
+                  secret: bytes | None = None) -> tuple[dict, int]:
     """The decode worker's side of one transfer.
 
     Args:
@@ -143,6 +160,8 @@ async def pull_kv(host: str, port: int, hello: dict,
             for the whole transfer.
         max_payload: the most bytes one frame may carry: the reserved blocks' size. The length comes
             from the peer, so a larger one is refused before any buffer is allocated.
+        secret: the pool secret: the HELLO proves it, and the prefill worker must prove it in its
+            ACCEPT before any block is taken.
 
     Returns:
         ``(done_meta, bytes_received)``: the DONE frame's metadata (first token and its logprobs).
@@ -159,13 +178,26 @@ async def pull_kv(host: str, port: int, hello: dict,
     except (OSError, asyncio.TimeoutError) as e:
         raise TransferError(f"cannot connect to prefill worker {host}:{port}: {e!r}") from None
     try:
+        ftype, meta, _ = await asyncio.wait_for(proto.next_frame(), min(frame_timeout, deadline))
+        if ftype != FrameType.CHALLENGE or not isinstance(meta.get("nonce"), str):
+            raise TransferError(f"prefill worker {host}:{port} sent {ftype.name}, not a CHALLENGE")
+        nonce = meta["nonce"]
+        if secret is not None:
+            hello = handshake.sign_hello(secret, nonce, hello)
         write_frame(transport, FrameType.HELLO, hello)
+        accepted = False
         while True:
             left = t_end - time.monotonic()
             if left <= 0:
                 raise TransferError(f"KV transfer from {host}:{port} passed its {deadline:.0f} s deadline")
             ftype, meta, payload = await asyncio.wait_for(proto.next_frame(), min(frame_timeout, left))
-            if ftype == FrameType.BLOCKS:
+            if ftype in (FrameType.BLOCKS, FrameType.DONE) and not accepted:
+                raise TransferError(f"prefill worker {host}:{port} sent {ftype.name} before ACCEPT")
+            if ftype == FrameType.ACCEPT:
+                if not handshake.verify_accept(secret, nonce, hello, meta):
+                    raise TransferError(f"prefill worker {host}:{port} did not prove this pool's secret")
+                accepted = True
+            elif ftype == FrameType.BLOCKS:
                 received += len(payload)
                 # the payload buffer is reused for the next frame: on_blocks copies it into the cache
                 await on_blocks(meta["first_block"], payload_to_tensor(meta, payload))
@@ -173,7 +205,7 @@ async def pull_kv(host: str, port: int, hello: dict,
                 return meta, received
             elif ftype in (FrameType.REJECT, FrameType.ERROR):
                 raise TransferError(f"prefill worker {host}:{port} refused: {meta.get('message')}")
-            elif ftype != FrameType.ACCEPT:
+            else:
                 raise TransferError(f"unexpected {ftype.name} frame")
     except (OSError, asyncio.TimeoutError) as e:
         if isinstance(e, asyncio.TimeoutError) and time.monotonic() >= t_end:

@@ -1,0 +1,107 @@
+"""Who may talk to a pool's pods: its shared secret, how pods get it and the API keys, and its
+NetworkPolicies (docs/security.md). Pure functions, like desired.py; reconcile.py makes the Secret.
+
+- The pool secret is a Secret the operator makes once per pool (random, ``secrets.token_urlsafe``) and
+  owns. Every pod of the pool mounts it; the router proves it to workers, decode workers prove it in
+  the KV handshake. Its digest sits in every pod template (``serving.tandem.dev/pool-secret-hash``), so
+  deleting the Secret (rotation) makes the operator create a new one and roll every role.
+- ``spec.router.apiKeySecretRef`` is mounted into the router pods only; the router re-reads it, so
+  changed keys apply without a rollout.
+- NetworkPolicies: workers admit the pool's router and each other (HTTP and KV ports), the tandem
+  operator's pods and ``spec.networkPolicy.workersFrom`` (HTTP port); the router admits
+  ``spec.networkPolicy.routerFrom`` (anyone when empty). Enforced only where the network plugin does.
+"""
+from __future__ import annotations
+
+import base64
+import hashlib
+import secrets
+from typing import Any, Optional
+
+from . import spec as S
+
+SECRET_KEY = "secret"
+POOL_SECRET_DIR = "/var/run/tandem/pool-secret"
+API_KEYS_DIR = "/var/run/tandem/api-keys"
+ANN_SECRET_HASH = "serving.tandem.dev/pool-secret-hash"
+#: the operator's own pods (the chart's selector label): they scrape workers and drain them
+OPERATOR_POD_LABELS = {"app.kubernetes.io/name": "tandem-operator"}
+
+
+def pool_secret_name(pool: str) -> str:
+    return f"{pool}-pool-secret"
+
+
+def new_pool_secret(pool: S.InferencePool, meta: dict[str, Any]) -> dict[str, Any]:
+    """A fresh Secret for the pool (``meta``: the child metadata desired.py gives every object):
+    32 random bytes, URL-safe base64 (43 characters)."""
+    value = secrets.token_urlsafe(32).encode()
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+            "metadata": {**meta, "name": pool_secret_name(pool.metadata.name)},
+            "data": {SECRET_KEY: base64.b64encode(value).decode()}}
+
+
+def secret_hash(secret: dict[str, Any]) -> str:
+    """A short digest of a Secret's data (what the pod-template annotation carries; not reversible)."""
+    data = (secret.get("data") or {}).get(SECRET_KEY, "")
+    return hashlib.sha256(data.encode()).hexdigest()[:16]
+
+
+def add_credentials(dep: dict[str, Any], pool: S.InferencePool, role: str, pool_secret_hash: Optional[str]) -> None:
+    """Mount the pool secret (every role) and the API keys (router) into a Deployment's pod template,
+    and put the secret's digest in its annotations. ``pool_secret_hash`` None: no secret yet (the
+    reconciler makes it before the Deployments, so this is only the pure functions' default)."""
+    tmpl = dep["spec"]["template"]
+    pod, c = tmpl["spec"], tmpl["spec"]["containers"][0]
+    if pool_secret_hash is not None:
+        pod["volumes"].append({"name": "pool-secret", "secret": {
+            "secretName": pool_secret_name(pool.metadata.name), "defaultMode": 0o440}})
+        c["volumeMounts"].append({"name": "pool-secret", "mountPath": POOL_SECRET_DIR, "readOnly": True})
+        c["env"].append({"name": "TANDEM_POOL_SECRET_FILE", "value": f"{POOL_SECRET_DIR}/{SECRET_KEY}"})
+        tmpl["metadata"]["annotations"][ANN_SECRET_HASH] = pool_secret_hash
+    ref = pool.spec.router.apiKeySecretRef
+    if role == "router" and ref is not None:
+        pod["volumes"].append({"name": "api-keys", "secret": {"secretName": ref.name, "defaultMode": 0o440}})
+        c["volumeMounts"].append({"name": "api-keys", "mountPath": API_KEYS_DIR, "readOnly": True})
+        c["env"].append({"name": "TANDEM_API_KEY_FILE", "value": API_KEYS_DIR})
+
+
+def _peer(p: S.PolicyPeer) -> dict[str, Any]:
+    if p.ipBlock is not None:
+        return {"ipBlock": {"cidr": p.ipBlock}}
+    out: dict[str, Any] = {}
+    if p.podSelector is not None:
+        out["podSelector"] = {"matchLabels": dict(p.podSelector)}
+    if p.namespaceSelector is not None:
+        out["namespaceSelector"] = {"matchLabels": dict(p.namespaceSelector)}
+    return out
+
+
+def network_policies(pool: S.InferencePool, meta) -> list[dict[str, Any]]:
+    """The pool's NetworkPolicies (``meta(name, role)``: desired.py's child metadata). Empty when
+    ``spec.networkPolicy.enabled`` is false."""
+    from .desired import KV_PORT, LABEL_POOL, LABEL_ROLE, selector
+    np = pool.spec.networkPolicy
+    if not np.enabled:
+        return []
+    name = pool.metadata.name
+    workers = {"matchLabels": {LABEL_POOL: name},
+               "matchExpressions": [{"key": LABEL_ROLE, "operator": "In", "values": ["prefill", "decode"]}]}
+    router = {"podSelector": {"matchLabels": selector(name, "router")}}
+    http = {"protocol": "TCP", "port": S.WORKER_PORT}
+    kv = {"protocol": "TCP", "port": KV_PORT}
+    operator = {"namespaceSelector": {}, "podSelector": {"matchLabels": dict(OPERATOR_POD_LABELS)}}
+    worker_rules = [
+        {"from": [router, {"podSelector": workers}], "ports": [http, kv]},
+        {"from": [operator, *(_peer(p) for p in np.workersFrom)], "ports": [http]},
+    ]
+    router_rule: dict[str, Any] = {"ports": [http]}
+    if np.routerFrom:
+        router_rule["from"] = [_peer(p) for p in np.routerFrom]
+    return [
+        {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": meta(f"{name}-workers", None),
+         "spec": {"podSelector": workers, "policyTypes": ["Ingress"], "ingress": worker_rules}},
+        {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": meta(f"{name}-router", "router"),
+         "spec": {"podSelector": {"matchLabels": selector(name, "router")}, "policyTypes": ["Ingress"],
+                  "ingress": [router_rule]}},
+    ]

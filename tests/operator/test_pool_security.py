@@ -1,0 +1,104 @@
+"""The pool's security objects on a real kube-apiserver v1.20.2, made by the operator running as the
+chart's Deployment (tests/operator/conftest.py): the per-pool Secret and the NetworkPolicies exist with
+owner references, every role's pods mount the secret (the router also the API keys), and deleting the
+secret makes a new one and rolls the pods. (NetworkPolicies are stored, not enforced: the test
+cluster has no network plugin; docs/security.md.)"""
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+
+import pytest
+
+import yaml
+
+from operator_helpers import ROOT, apply_yaml, kget, wait_for
+
+NS = "sec"
+POOL = "guarded"
+
+
+def owned_by(obj: dict, uid: str) -> bool:
+    return any(r.get("uid") == uid and r.get("controller") for r in obj["metadata"].get("ownerReferences", []))
+
+
+def digest(secret: dict) -> str:
+    return hashlib.sha256(secret["data"]["secret"].encode()).hexdigest()[:16]
+
+
+def pods(cluster) -> list[dict]:
+    return json.loads(cluster.kubectl("get", "pods", "-n", NS, "-l", f"serving.tandem.dev/pool={POOL}",
+                                      "-o", "json").stdout)["items"]
+
+
+@pytest.mark.timeout(420)
+def test_pool_secret_network_policies_and_rotation(cluster, operator):
+    cluster.kubectl("create", "namespace", NS, check=False)
+    keys = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "guarded-keys", "namespace": NS},
+            "stringData": {"ops": "sk-ops-0123456789"}}
+    apply_yaml(cluster, keys)
+    d = yaml.safe_load((ROOT / "examples/smollm2.yaml").read_text())
+    d["metadata"].update(name=POOL, namespace=NS)
+    d["spec"]["prefill"]["replicas"] = 0   # the router's pods show the mounts; no model load needed here
+    d["spec"]["decode"]["replicas"] = 0
+    d["spec"]["router"]["apiKeySecretRef"] = {"name": "guarded-keys"}
+    apply_yaml(cluster, d)
+    uid = wait_for(lambda: kget(cluster, "inferencepools.serving.tandem.dev", POOL, ns=NS), 30, "pool")["metadata"]["uid"]
+
+    secret = wait_for(lambda: kget(cluster, "secret", f"{POOL}-pool-secret", ns=NS), 60, "pool secret")
+    assert owned_by(secret, uid), secret["metadata"]
+    assert len(base64.b64decode(secret["data"]["secret"])) >= 32
+    for name in (f"{POOL}-workers", f"{POOL}-router"):
+        np = wait_for(lambda: kget(cluster, "networkpolicy", name, ns=NS), 60, name)
+        assert owned_by(np, uid), name
+    workers = kget(cluster, "networkpolicy", f"{POOL}-workers", ns=NS)["spec"]
+    assert {p["port"] for p in workers["ingress"][0]["ports"]} == {8000, 8001}
+
+    def templates() -> dict:
+        out = {}
+        for role in ("prefill", "decode", "router"):
+            dep = kget(cluster, "deployment", f"{POOL}-{role}", ns=NS)
+            if dep is None:
+                return {}
+            out[role] = dep["spec"]["template"]
+        return out
+    tmpls = wait_for(lambda: (t := templates()) and len(t) == 3 and t, 60, "deployments")
+    for role, t in tmpls.items():
+        assert t["metadata"]["annotations"]["serving.tandem.dev/pool-secret-hash"] == digest(secret), role
+        vols = {v["name"]: v for v in t["spec"]["volumes"]}
+        assert vols["pool-secret"]["secret"]["secretName"] == f"{POOL}-pool-secret", role
+        assert ("api-keys" in vols) == (role == "router"), role
+    # the router's pod mounts both, and runs hardened
+    pod = wait_for(lambda: (ps := pods(cluster)) and ps[0], 60, "router pod")
+    vols = {v["name"]: v.get("secret", {}).get("secretName") for v in pod["spec"]["volumes"]}
+    assert vols["pool-secret"] == f"{POOL}-pool-secret" and vols["api-keys"] == "guarded-keys"
+    c = pod["spec"]["containers"][0]
+    assert {m["mountPath"] for m in c["volumeMounts"]} >= {"/var/run/tandem/pool-secret", "/var/run/tandem/api-keys"}
+    assert c["securityContext"]["readOnlyRootFilesystem"] and c["securityContext"]["capabilities"]["drop"] == ["ALL"]
+    old_rs = {rs["metadata"]["name"] for rs in json.loads(cluster.kubectl(
+        "get", "rs", "-n", NS, "-l", f"serving.tandem.dev/pool={POOL}", "-o", "json").stdout)["items"]}
+
+    # rotation: delete the secret; the operator makes a new one and every role rolls
+    cluster.kubectl("delete", "secret", f"{POOL}-pool-secret", "-n", NS)
+    new = wait_for(lambda: (s := kget(cluster, "secret", f"{POOL}-pool-secret", ns=NS))
+                   and s["metadata"]["uid"] != secret["metadata"]["uid"] and s, 60, "a new pool secret")
+    assert owned_by(new, uid) and new["data"]["secret"] != secret["data"]["secret"]
+    wait_for(lambda: (t := templates()) and all(
+        x["metadata"]["annotations"]["serving.tandem.dev/pool-secret-hash"] == digest(new) for x in t.values()),
+        60, "pod templates with the new secret's digest")
+
+    def rolled() -> bool:
+        items = json.loads(cluster.kubectl("get", "rs", "-n", NS, "-l", f"serving.tandem.dev/pool={POOL}",
+                                           "-o", "json").stdout)["items"]
+        fresh = [rs for rs in items if rs["metadata"]["name"] not in old_rs]
+        roles = {rs["metadata"]["labels"]["serving.tandem.dev/role"] for rs in fresh}
+        return roles == {"prefill", "decode", "router"} and all(
+            rs["spec"]["template"]["metadata"]["annotations"]["serving.tandem.dev/pool-secret-hash"] == digest(new)
+            for rs in fresh)
+    wait_for(rolled, 60, "a new ReplicaSet (pod-template hash) per role")
+    wait_for(lambda: any(p["metadata"]["annotations"].get("serving.tandem.dev/pool-secret-hash") == digest(new)
+                         for p in pods(cluster)), 60, "a router pod of the new template")
+    cluster.kubectl("delete", "inferencepools.serving.tandem.dev", POOL, "-n", NS, "--wait=true", "--timeout=30s")
+    wait_for(lambda: kget(cluster, "secret", f"{POOL}-pool-secret", ns=NS) is None, 120,
+             "the pool secret garbage-collected with its pool")

@@ -1,0 +1,155 @@
+"""Unit tests of the pool's security objects (operator/security.py): the secret's mounts and digest,
+the API keys' mount, the NetworkPolicies, and the hardening of every pod the operator makes. No cluster."""
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tandem.operator import desired as D
+from tandem.operator import security as SEC
+from tandem.operator.spec import SpecError, load_manifest
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.timeout(60)
+
+
+def pool(mutate=None, path="examples/smollm2.yaml"):
+    d = yaml.safe_load((ROOT / path).read_text())
+    d["metadata"].update(namespace="ns1", uid="u-1")
+    if mutate:
+        mutate(d)
+    return load_manifest(d)
+
+
+def deployments(objs):
+    return {o["metadata"]["labels"][D.LABEL_ROLE]: o for o in objs if o["kind"] == "Deployment"}
+
+
+def pod_templates(objs):
+    """Every pod template among the objects (any kind with spec.template.spec)."""
+    return [(o["kind"], o["metadata"]["name"], o["spec"]["template"]["spec"]) for o in objs
+            if isinstance(o.get("spec"), dict) and isinstance(o["spec"].get("template"), dict)]
+
+
+@pytest.mark.parametrize("path", ["examples/smollm2.yaml", "examples/llama3-8b-autoscaled.yaml"])
+def test_every_pod_the_operator_makes_is_hardened(path):
+    caps = D.Capabilities(service_monitor=True, gie_api_version="inference.networking.x-k8s.io/v1alpha2")
+    objs = D.desired_objects(pool(path=path), caps, pool_secret_hash="h")
+    tmpls = pod_templates(objs)
+    assert len(tmpls) == 3
+    for kind, name, spec in tmpls:
+        assert spec["securityContext"]["runAsNonRoot"] is True and spec["securityContext"]["runAsUser"] != 0, name
+        for c in spec["containers"]:
+            sc = c["securityContext"]
+            assert sc["capabilities"]["drop"] == ["ALL"] and "add" not in sc["capabilities"], name
+            assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False, name
+            assert sc["runAsNonRoot"] is True, name
+        # a worker needs no API token; only the router (discovery) gets one
+        assert spec.get("automountServiceAccountToken") is (None if name.endswith("-router") else False), name
+
+
+def test_pool_secret_is_mounted_in_every_role_and_its_digest_rolls_them():
+    p = pool()
+    a = deployments(D.desired_objects(p, pool_secret_hash="aaaa"))
+    b = deployments(D.desired_objects(p, pool_secret_hash="bbbb"))
+    for role, dep in a.items():
+        tmpl = dep["spec"]["template"]
+        c = tmpl["spec"]["containers"][0]
+        vol = next(v for v in tmpl["spec"]["volumes"] if v["name"] == "pool-secret")
+        assert vol["secret"]["secretName"] == "smollm2-pool-secret"
+        assert vol["secret"]["defaultMode"] & 0o007 == 0, "others may not read the secret"
+        assert {"name": "pool-secret", "mountPath": SEC.POOL_SECRET_DIR, "readOnly": True} in c["volumeMounts"]
+        assert {"name": "TANDEM_POOL_SECRET_FILE", "value": f"{SEC.POOL_SECRET_DIR}/secret"} in c["env"]
+        assert tmpl["metadata"]["annotations"][SEC.ANN_SECRET_HASH] == "aaaa"
+        # a new secret (rotation) changes every role's pod template: each rolls
+        assert b[role]["spec"]["template"] != tmpl
+        assert b[role]["metadata"]["annotations"][D.ANN_DESIRED_HASH] != dep["metadata"]["annotations"][D.ANN_DESIRED_HASH]
+        # the value itself is never in a pod template
+        assert "secretKeyRef" not in str(tmpl)
+
+
+def test_new_pool_secret_is_random_owned_and_hashed_without_its_value():
+    p = pool()
+    s1 = SEC.new_pool_secret(p, D._meta(p, "x"))
+    s2 = SEC.new_pool_secret(p, D._meta(p, "x"))
+    assert s1["metadata"]["name"] == "smollm2-pool-secret" and s1["metadata"]["ownerReferences"][0]["uid"] == "u-1"
+    assert s1["data"]["secret"] != s2["data"]["secret"] and len(s1["data"]["secret"]) >= 44
+    assert SEC.secret_hash(s1) != SEC.secret_hash(s2)
+    assert s1["data"]["secret"] not in SEC.secret_hash(s1)
+
+
+def test_api_keys_are_mounted_in_the_router_only():
+    p = pool(lambda d: d["spec"]["router"].update(apiKeySecretRef={"name": "my-keys"}))
+    deps = deployments(D.desired_objects(p, pool_secret_hash="h"))
+    r = deps["router"]["spec"]["template"]["spec"]
+    assert {"name": "api-keys", "secret": {"secretName": "my-keys", "defaultMode": 0o440}} in r["volumes"]
+    assert {"name": "TANDEM_API_KEY_FILE", "value": SEC.API_KEYS_DIR} in r["containers"][0]["env"]
+    for role in ("prefill", "decode"):
+        assert "api-keys" not in str(deps[role]["spec"]["template"])
+    # the key reference is part of the router's config: setting it rolls the router only
+    before = deployments(D.desired_objects(pool(), pool_secret_hash="h"))
+    for role in ("prefill", "decode"):
+        assert before[role]["spec"]["template"] == deps[role]["spec"]["template"]
+
+
+def test_network_policies_admit_only_the_pool():
+    p = pool(lambda d: d["spec"].update(networkPolicy={
+        "routerFrom": [{"namespaceSelector": {"team": "a"}}, {"ipBlock": "10.0.0.0/8"}],
+        "workersFrom": [{"namespaceSelector": {"name": "monitoring"}, "podSelector": {"app": "prometheus"}}]}))
+    objs = {(o["kind"], o["metadata"]["name"]): o for o in D.desired_objects(p)}
+    workers, router = objs[("NetworkPolicy", "smollm2-workers")], objs[("NetworkPolicy", "smollm2-router")]
+    for np in (workers, router):
+        assert np["metadata"]["ownerReferences"][0]["uid"] == "u-1" and np["spec"]["policyTypes"] == ["Ingress"]
+    sel = workers["spec"]["podSelector"]
+    assert sel["matchLabels"] == {D.LABEL_POOL: "smollm2"}
+    assert sel["matchExpressions"] == [{"key": D.LABEL_ROLE, "operator": "In", "values": ["prefill", "decode"]}]
+    pool_rule, others = workers["spec"]["ingress"]
+    assert pool_rule["from"] == [{"podSelector": {"matchLabels": D.selector("smollm2", "router")}}, {"podSelector": sel}]
+    assert {p["port"] for p in pool_rule["ports"]} == {8000, D.KV_PORT}
+    assert [p["port"] for p in others["ports"]] == [8000]   # scrapers never reach the KV port
+    assert {"namespaceSelector": {"matchLabels": {"name": "monitoring"}},
+            "podSelector": {"matchLabels": {"app": "prometheus"}}} in others["from"]
+    assert {"namespaceSelector": {}, "podSelector": {"matchLabels": SEC.OPERATOR_POD_LABELS}} in others["from"]
+    assert router["spec"]["ingress"] == [{"ports": [{"protocol": "TCP", "port": 8000}],
+                                          "from": [{"namespaceSelector": {"matchLabels": {"team": "a"}}},
+                                                   {"ipBlock": {"cidr": "10.0.0.0/8"}}]}]
+    # the default router policy admits anyone on the router's port only
+    dflt = {o["metadata"]["name"]: o for o in D.desired_objects(pool()) if o["kind"] == "NetworkPolicy"}
+    assert dflt["smollm2-router"]["spec"]["ingress"] == [{"ports": [{"protocol": "TCP", "port": 8000}]}]
+    # off by spec, or where the API has no NetworkPolicy: none
+    off = pool(lambda d: d["spec"].update(networkPolicy={"enabled": False}))
+    assert not [o for o in D.desired_objects(off) if o["kind"] == "NetworkPolicy"]
+    assert not [o for o in D.desired_objects(pool(), D.Capabilities(network_policies=False))
+                if o["kind"] == "NetworkPolicy"]
+
+
+def test_a_policy_peer_is_selectors_or_an_ip_block():
+    with pytest.raises(SpecError, match=r"spec.networkPolicy.routerFrom\[0\]"):
+        pool(lambda d: d["spec"].update(networkPolicy={"routerFrom": [{"ipBlock": "10.0.0.0/8",
+                                                                         "podSelector": {"a": "b"}}]}))
+    with pytest.raises(SpecError, match=r"spec.networkPolicy.workersFrom\[0\]"):
+        pool(lambda d: d["spec"].update(networkPolicy={"workersFrom": [{}]}))
+
+
+def test_every_child_kind_has_an_api_path():
+    from tandem.operator.kube import path_of
+    caps = D.Capabilities(service_monitor=True, gie_api_version="inference.networking.x-k8s.io/v1alpha2")
+    p = pool(path="examples/llama3-8b-autoscaled.yaml")
+    for o in D.desired_objects(p, caps, pool_secret_hash="h") + [SEC.new_pool_secret(p, D._meta(p, "x"))]:
+        assert path_of(o).endswith("/" + o["metadata"]["name"]), o["kind"]
+
+
+def test_the_charts_operator_pod_is_hardened_and_its_webhook_fenced(helm_bin):
+    from operator_helpers import render_chart
+    docs = [d for d in yaml.safe_load_all(render_chart(helm_bin)) if d]
+    dep, = [d for d in docs if d["kind"] == "Deployment"]
+    spec = dep["spec"]["template"]["spec"]
+    assert spec["securityContext"]["runAsNonRoot"] is True
+    for c in spec["containers"]:
+        sc = c["securityContext"]
+        assert sc["capabilities"]["drop"] == ["ALL"] and sc["readOnlyRootFilesystem"] is True
+        assert sc["allowPrivilegeEscalation"] is False
+    np, = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    assert np["spec"]["podSelector"]["matchLabels"] == dep["spec"]["selector"]["matchLabels"]
+    webhook = next(r for r in np["spec"]["ingress"] if r["ports"][0]["port"] == 9443)
+    assert webhook["from"] == [{"ipBlock": {"cidr": "0.0.0.0/0"}}]   # the values' default; narrowed per cluster

@@ -1,0 +1,195 @@
+"""Who may call a tandem process: client API keys and the pool's shared secret (docs/security.md).
+
+Two credentials, checked by one aiohttp middleware (:func:`auth_middleware`):
+
+- **API keys** (``Authorization: Bearer <key>``), vLLM's ``--api-key``: the router's clients, or the
+  clients of a worker run alone. Keys come from ``TANDEM_API_KEYS`` (comma or whitespace separated) and
+  ``TANDEM_API_KEY_FILE`` (a file, or a folder such as a mounted Secret whose every file holds keys, one
+  per line). A folder or file is read again at most every ``KeyStore.reload_seconds``, so a rotated
+  Secret takes effect without a restart.
+- **The pool secret**: random bytes every process of one pool shares (the operator's per-pool Secret,
+  or a file ``tandem up`` writes). The router proves it to a worker with the header
+  ``X-Tandem-Pool-Token``, which carries ``HMAC-SHA256(secret, "tandem-pool-token-v1")`` rather than
+  the secret itself (the KV transfer handshake, tandem.worker.transfer.tcp, keys its
+  challenge-response on the secret). It comes from ``TANDEM_POOL_SECRET_FILE`` or ``TANDEM_POOL_SECRET``.
+
+A protected request passes with a valid API key or a valid pool token; with neither credential
+configured the process is open (as before). ``/health``, ``/ready``, ``/metrics`` and ``GET /drain``
+stay open for probes and scrapers. Comparisons use :func:`hmac.compare_digest`; keys and tokens are
+never logged. A refusal is a 401 in OpenAI's error format, counted in ``tandem:auth_failures_total``
+with the refused ``endpoint``.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import os
+import re
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+from aiohttp import web
+
+from tandem.worker.api.errors import error_body
+
+log = logging.getLogger(__name__)
+
+POOL_TOKEN_HEADER = "X-Tandem-Pool-Token"
+API_KEYS_ENV = "TANDEM_API_KEYS"
+API_KEY_FILE_ENV = "TANDEM_API_KEY_FILE"
+POOL_SECRET_ENV = "TANDEM_POOL_SECRET"
+POOL_SECRET_FILE_ENV = "TANDEM_POOL_SECRET_FILE"
+
+#: paths anyone may GET: probes, scrapers, drain status
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
+#: the ``endpoint`` label values of refusals; any other path counts as "other" (a scanner must not
+#: make a series per path it tries)
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/drain", "other", "kv")
+_TOKEN_CONTEXT = b"tandem-pool-token-v1"
+_SPLIT = re.compile(r"[\s,]+")
+
+
+class AuthConfigError(ValueError):
+    """A credential source that is set but unusable (missing file, empty secret)."""
+
+
+def parse_keys(text: str) -> list[str]:
+    """The keys in a text: separated by whitespace, newlines or commas."""
+    return [k for k in _SPLIT.split(text) if k]
+
+
+class KeyStore:
+    """The accepted API keys, from a literal list and/or a file or folder (re-read every
+    ``reload_seconds``, so a rotated Kubernetes Secret applies without a restart).
+
+    Raises AuthConfigError when the file or folder is missing or holds no key."""
+
+    def __init__(self, keys: list[str] = (), path: Optional[str] = None, reload_seconds: float = 10.0):
+        self.literal = [k for k in keys if k]
+        self.path = Path(path) if path else None
+        self.reload_seconds = reload_seconds
+        self._loaded_at = 0.0
+        self._keys: list[bytes] = []
+        self._load()
+        if not self._keys:
+            raise AuthConfigError(f"no API key in {self.path or 'the given list'}")
+
+    def _load(self) -> None:
+        keys = list(self.literal)
+        if self.path is not None:
+            if not self.path.exists():
+                raise AuthConfigError(f"API key file {self.path} does not exist")
+            files = ([p for p in sorted(self.path.iterdir()) if p.is_file() and not p.name.startswith(".")]
+                     if self.path.is_dir() else [self.path])
+            for f in files:
+                keys += parse_keys(f.read_text())
+        self._keys = [k.encode() for k in keys]
+        self._loaded_at = time.monotonic()
+
+    def keys(self) -> list[str]:
+        """The keys as loaded (for a parent that hands them to its router by file)."""
+        return [k.decode() for k in self._keys]
+
+    def check(self, presented: str) -> bool:
+        """Whether ``presented`` is one of the keys; every key is compared (constant time each)."""
+        if self.path is not None and time.monotonic() - self._loaded_at > self.reload_seconds:
+            try:
+                self._load()
+            except (OSError, AuthConfigError) as e:   # keep the last good set (a Secret mid-update)
+                log.warning("API keys not reloaded: %s", e)
+        p = presented.encode()
+        ok = False
+        for k in self._keys:
+            ok |= hmac.compare_digest(p, k)
+        return ok
+
+    @classmethod
+    def from_env(cls, env=os.environ, path: Optional[str] = None) -> Optional["KeyStore"]:
+        """The keys named by ``TANDEM_API_KEYS`` / ``TANDEM_API_KEY_FILE`` (or ``path``); None when
+        neither is set."""
+        literal = parse_keys(env.get(API_KEYS_ENV, ""))
+        path = path or env.get(API_KEY_FILE_ENV) or None
+        if not literal and not path:
+            return None
+        return cls(literal, path)
+
+
+def load_pool_secret(env=os.environ, path: Optional[str] = None) -> Optional[bytes]:
+    """The pool secret from ``path``, ``TANDEM_POOL_SECRET_FILE`` or ``TANDEM_POOL_SECRET``; None when
+    none is set. Surrounding whitespace is dropped. Raises AuthConfigError for a missing or empty one."""
+    path = path or env.get(POOL_SECRET_FILE_ENV)
+    if path:
+        try:
+            data = Path(path).read_bytes().strip()
+        except OSError as e:
+            raise AuthConfigError(f"pool secret file {path}: {e.strerror}") from None
+    elif env.get(POOL_SECRET_ENV):
+        data = env[POOL_SECRET_ENV].strip().encode()
+    else:
+        return None
+    if len(data) < 16:
+        raise AuthConfigError("the pool secret is shorter than 16 bytes")
+    return data
+
+
+def pool_token(secret: bytes) -> str:
+    """The value of ``X-Tandem-Pool-Token`` for a pool secret: hex HMAC-SHA256 (64 characters)."""
+    return hmac.new(secret, _TOKEN_CONTEXT, hashlib.sha256).hexdigest()
+
+
+def pool_headers(secret: Optional[bytes]) -> dict[str, str]:
+    """The headers a process of the pool sends to a worker (empty without a secret)."""
+    return {POOL_TOKEN_HEADER: pool_token(secret)} if secret else {}
+
+
+def _bearer(request: web.Request) -> Optional[str]:
+    h = request.headers.get("Authorization", "")
+    scheme, _, value = h.partition(" ")
+    return value.strip() if scheme.lower() == "bearer" and value.strip() else None
+
+
+def is_open(request: web.Request) -> bool:
+    """Probes, scrapes and the drain status need no credential."""
+    return request.path in OPEN_PATHS or (request.path == "/drain" and request.method == "GET")
+
+
+def auth_middleware(keys: Optional[KeyStore], secret: Optional[bytes],
+                    on_refused: Optional[Callable[[str], None]] = None):
+    """An aiohttp middleware that refuses (401, OpenAI's error format) a protected request without a
+    valid API key or pool token, before its body is read. ``on_refused(endpoint)`` counts it.
+    Returns None when neither credential is configured (nothing to check)."""
+    if keys is None and secret is None:
+        return None
+    token = pool_token(secret).encode() if secret else None
+
+    @web.middleware
+    async def check(request: web.Request, handler):
+        if is_open(request):
+            return await handler(request)
+        if token is not None:
+            presented = request.headers.get(POOL_TOKEN_HEADER)
+            if presented is not None and hmac.compare_digest(presented.encode(), token):
+                return await handler(request)
+        bearer = _bearer(request)
+        if keys is not None and bearer is not None and keys.check(bearer):
+            return await handler(request)
+        if on_refused is not None:
+            on_refused(request.path if request.path in ENDPOINTS else "other")
+        why = ("Incorrect API key provided." if bearer is not None else
+               "Missing credentials: send 'Authorization: Bearer <API key>'.")
+        if keys is None:
+            why = "This worker serves only its own pool (no valid pool token)."
+        return web.json_response(error_body(why, 401, None, "invalid_request_error"), status=401,
+                                 headers={"WWW-Authenticate": "Bearer"})
+    return check
+
+
+def install(app: web.Application, keys: Optional[KeyStore], secret: Optional[bytes],
+            on_refused: Optional[Callable[[str], None]] = None) -> web.Application:
+    """Put the auth check first among ``app``'s middlewares (before any body is read)."""
+    mw = auth_middleware(keys, secret, on_refused)
+    if mw is not None:
+        app.middlewares.insert(0, mw)
+    return app
