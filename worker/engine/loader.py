@@ -251,7 +251,9 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: str, progress: Progress) 
         del w
         progress("reading", done, total)
     tokenizer = load_tokenizer(str(path))
-    digest.add_part("tokenizer", {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")})
+    # the tokenizer's metadata as stored (raw key/value parts: decoding 100k strings costs seconds)
+    digest.add_part("tokenizer", b"".join(np.asarray(part).tobytes() for k in sorted(reader.fields)
+                                          if k.startswith("tokenizer.") for part in reader.fields[k].parts))
     rope_scaling = _gguf_rope_scaling(field, a, rope_freqs, path)
     config = ModelConfig(
         arch=arch, vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data), hidden_size=hidden,
