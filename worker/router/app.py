@@ -179,6 +179,7 @@ class Router:
                 if d is None:
                     return json_error("no ready decode worker", 503)
                 self._rr += 1
+                place = "remote" if d.prefill is not None else "local"
                 headers = {"Content-Type": "application/json"}
                 if d.prefill is not None:
                     headers[PREFILL_PEER_HEADER] = d.prefill.url
@@ -202,12 +203,13 @@ class Router:
                         if d.prefill:
                             d.prefill.remember(hashes)
                     if req.stream and upstream.status == 200:
-                        return await self._relay_stream(request, upstream, t0, client_usage)
-                    return await self._relay_full(upstream, t0, t_send)
+                        return await self._relay_stream(request, upstream, t0, client_usage, place)
+                    return await self._relay_full(upstream, t0, t_send, place)
         finally:
             self.in_flight -= 1
 
-    async def _relay_full(self, upstream: aiohttp.ClientResponse, t0: float, t_send: float) -> web.Response:
+    async def _relay_full(self, upstream: aiohttp.ClientResponse, t0: float, t_send: float,
+                          place: str) -> web.Response:
         async with upstream:
             body = await upstream.read()
             resp = web.Response(body=body, status=upstream.status,
@@ -222,11 +224,11 @@ class Router:
                 # the client waited for the router's own work too, before the worker saw the request
                 ttft = min(e2e, (t_send - t0) + worker_ttft)
                 self.metrics.observe_request(ttft if ttft == ttft else None, e2e,
-                                             int(usage.get("completion_tokens", 0)))
+                                             int(usage.get("completion_tokens", 0)), prefill=place)
             return resp
 
     async def _relay_stream(self, request, upstream: aiohttp.ClientResponse, t0: float,
-                            client_usage: bool) -> web.StreamResponse:
+                            client_usage: bool, place: str) -> web.StreamResponse:
         resp = web.StreamResponse(status=upstream.status, headers={
             k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS})
         await resp.prepare(request)
@@ -256,7 +258,7 @@ class Router:
                 return resp
         if buf:
             await resp.write(buf)
-        self.metrics.observe_request(timer.ttft, time.monotonic() - t0, num_tokens, timer.itls)
+        self.metrics.observe_request(timer.ttft, time.monotonic() - t0, num_tokens, timer.itls, prefill=place)
         await resp.write_eof()
         return resp
 
