@@ -44,7 +44,10 @@ class Router:
         discovery: where the workers are (``prefill_urls()``, ``decode_urls()``).
         remote_prefill_min_tokens, routing: the spec's router section.
         health_interval: seconds between worker health polls.
-        queue_timeout: seconds a request waits for a ready decode worker before a 503.
+        queue_timeout: seconds a request waits for a ready decode worker before a 503 (spec.router
+            .queueTimeoutSeconds).
+        ready_without_workers: report ready while no decode worker is (a scale-to-zero pool: the
+            router must take the first request, hold it and so wake the pool).
         max_model_len: the pool's context length in tokens, when the spec sets it: longer prompts are
             refused by their length in characters before tokenizing (the workers check tokens).
         max_request_bytes: the largest request body accepted (413 above it).
@@ -52,8 +55,9 @@ class Router:
 
     def __init__(self, pool: str, model_name: str, model_source: str, dtype: str, quantization: str,
                  tokenizer, block_size: int, discovery, remote_prefill_min_tokens: int = 256,
-                 routing: str = "prefix-affinity", health_interval: float = 1.0, queue_timeout: float = 30.0,
-                 max_model_len: int | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES):
+                 routing: str = "prefix-affinity", health_interval: float = 1.0, queue_timeout: float = 300.0,
+                 max_model_len: int | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+                 ready_without_workers: bool = False):
         self.model_name, self.tok, self.block_size = model_name, tokenizer, block_size
         self.char_limit = max_prompt_chars(tokenizer, max_model_len) if max_model_len else None
         self.max_request_bytes = max_request_bytes
@@ -61,6 +65,7 @@ class Router:
         self.discovery = discovery
         self.remote_min, self.routing = remote_prefill_min_tokens, routing
         self.health_interval, self.queue_timeout = health_interval, queue_timeout
+        self.ready_without_workers = ready_without_workers
         self.metrics = Metrics("router", pool)
         self.workers: dict[str, WorkerState] = {}
         self.session: aiohttp.ClientSession | None = None
@@ -118,7 +123,7 @@ class Router:
             for u, w in self.workers.items()}})
 
     async def ready(self, request):
-        ok = any(w.ready for w in self._states(self.discovery.decode_urls()))
+        ok = self.ready_without_workers or any(w.ready for w in self._states(self.discovery.decode_urls()))
         return web.json_response({"ready": ok}, status=200 if ok else 503)
 
     async def models(self, request):
