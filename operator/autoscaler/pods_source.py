@@ -16,8 +16,8 @@ and the oldest one inside the window into a :class:`PoolSnapshot`:
 
 Signals (snapshot.py): ``no_data`` when no router answered a fresh scrape, or the router has not been
 seen across enough of a window to difference (the first ticks after a start); ``idle`` when the routers
-answered, nothing arrived or finished in the window and no worker holds a request; ``ok`` otherwise
-(the latency may still be None: requests in flight, none finished).
+answered, nothing arrived or finished in the window, no worker holds a request and the router queues
+none; ``ok`` otherwise (the latency may still be None: requests in flight or queued, none finished).
 """
 from __future__ import annotations
 
@@ -135,11 +135,12 @@ class PodsSource:
         spans = [n.at - b.at for n, b in fresh if b is not None]
         span = max(spans) if spans else 0.0
         no_data = not fresh or span < self.window_s / 2
-        roles = {r: self._role(r, targets, fresh, span, no_data, now) for r in ("prefill", "decode")}
+        roles = {r: self._role(r, targets, fresh, span, no_data, now, queued) for r in ("prefill", "decode")}
         return PoolSnapshot(at=now, prefill=roles["prefill"], decode=roles["decode"], router_queued=queued,
                             rolling_out=rolling_out)
 
-    def _role(self, role: Role, targets: Targets, fresh, span: float, no_data: bool, now: float) -> RoleSnapshot:
+    def _role(self, role: Role, targets: Targets, fresh, span: float, no_data: bool, now: float,
+              queued: int) -> RoleSnapshot:
         workers = targets.workers(role)
         counts = collections.Counter(w.state for w in workers)
         common = dict(role=role, ready=counts["ready"], starting=counts["starting"], draining=counts["draining"])
@@ -170,7 +171,8 @@ class PodsSource:
             waiting += new.sum("tandem:num_requests_waiting")
             if w.state == "ready":
                 kv.append(new.sum("tandem:kv_cache_usage_perc"))
-        idle = arrivals == 0 and finished == 0 and running == 0 and waiting == 0
+        # a request the router holds is demand, not idleness: it waits for exactly these workers
+        idle = arrivals == 0 and finished == 0 and running == 0 and waiting == 0 and queued == 0
         return RoleSnapshot(
             signal="idle" if idle else "ok", window_s=span, arrivals_per_s=arrivals / span,
             prompt_tokens_per_s=demand / span if role == "prefill" else 0.0,

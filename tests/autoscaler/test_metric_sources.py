@@ -128,3 +128,15 @@ def test_queued_requests_and_counter_resets():
 def test_parse_rejects_garbage():
     with pytest.raises(ValueError):
         parse("this is {not exposition", 0.0)
+
+
+def test_a_queued_request_is_not_idleness():
+    router = Metrics("router", "p")
+    clock = Clock()
+    src = _source({"r": router}, clock)
+    t = Targets(routers=["r"], decode=[Worker("d", "starting")])
+    src.observe(t)
+    router.router_queued.set(1)
+    clock.t += 10
+    snap = src.observe(t)
+    assert snap.decode.signal == "ok" and snap.decode.latency is None and snap.router_queued == 1
