@@ -111,9 +111,10 @@ class PodsSource:
             while len(h) > 2 and h[1].at <= s.at - self.window_s:
                 h.popleft()
 
-    def _pair(self, url: str, now: float) -> tuple[Optional[Scrape], Optional[Scrape]]:
-        """(newest ok scrape if fresh, oldest ok scrape no older than a window before it)."""
-        ok = [s for s in self.history.get(url, ()) if s.ok]
+    def _pair(self, url: str, now: float, router: bool = False) -> tuple[Optional[Scrape], Optional[Scrape]]:
+        """(newest ok scrape if fresh, oldest ok scrape no older than a window before it). A router's
+        scrape without the router's series is absent data, not zero traffic."""
+        ok = [s for s in self.history.get(url, ()) if s.ok and (not router or ROUTED in s.samples)]
         if not ok or ok[-1].at < now - self.stale_s:
             return None, None
         new = ok[-1]
@@ -128,7 +129,7 @@ class PodsSource:
 
     def snapshot(self, targets: Targets, rolling_out: bool = False) -> PoolSnapshot:
         now = self.clock()
-        pairs = [self._pair(u, now) for u in targets.routers]
+        pairs = [self._pair(u, now, router=True) for u in targets.routers]
         fresh = [(n, b) for n, b in pairs if n is not None]
         queued = int(sum(n.sum("tandem:router_queued_requests") for n, _ in fresh))
         # a window is covered once some router's base is at least half a window old

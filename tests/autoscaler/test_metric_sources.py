@@ -140,3 +140,16 @@ def test_a_queued_request_is_not_idleness():
     clock.t += 10
     snap = src.observe(t)
     assert snap.decode.signal == "ok" and snap.decode.latency is None and snap.router_queued == 1
+
+
+def test_a_router_scrape_without_router_series_is_no_data():
+    router = Metrics("router", "p")
+    worker = Metrics("decode", "p")
+    clock = Clock()
+    regs = {"r": router}
+    src = _source(regs, clock)
+    t = Targets(routers=["r"])
+    src.observe(t)
+    clock.t += 10
+    regs["r"] = worker         # answers, but not as a router: nothing to read the pool's latency from
+    assert src.observe(t).decode.signal == "no_data"
