@@ -254,8 +254,12 @@ def run_up(args) -> int:
         loop = None
         if fleet.autoscaled:
             from tandem.operator.autoscaler.fleet_loop import FleetAutoscaler
+            cal = None
+            if getattr(args, "calibration", None):
+                from tandem.worker.bench.calibration import Calibration
+                cal = Calibration.load(args.calibration)
             loop = FleetAutoscaler(fleet, window_s=getattr(args, "autoscale_window", 30.0),
-                                   interval_s=getattr(args, "autoscale_interval", 5.0))
+                                   interval_s=getattr(args, "autoscale_interval", 5.0), calibration=cal)
             loop.start()
         try:
             while not stop.is_set():

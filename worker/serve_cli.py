@@ -199,4 +199,7 @@ def add_serve_commands(sub) -> None:
                    help="autoscaled pools: the window metrics are read over (default 30)")
     u.add_argument("--autoscale-interval", type=float, default=5.0, metavar="SECONDS",
                    help="autoscaled pools: seconds between autoscaler decisions (default 5)")
+    u.add_argument("--calibration", default=None, metavar="FILE",
+                   help="autoscaled pools: a performance model from `tandem bench calibrate` "
+                        "(e.g. bench/calibrations/smollm2-cpu.yaml)")
     u.set_defaults(func=_up)

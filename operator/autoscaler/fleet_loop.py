@@ -35,21 +35,24 @@ class FleetAutoscaler:
         drain_timeout_s: the longest a drained worker is waited for before it is stopped anyway
             (SIGTERM still drains; the worker's own --drain-timeout then applies).
         startup_s: the policy's start-up time (how far it forecasts); a CPU worker starts in seconds.
-        policy: a ready policy (default: ``Autoscaler(fleet.pool.spec)``).
+        calibration: the performance model (:class:`tandem.worker.bench.calibration.Calibration`, e.g.
+            ``bench/calibrations/smollm2-cpu.yaml``); without one the policy sizes from latency alone.
+        policy: a ready policy (default: ``Autoscaler(fleet.pool.spec, calibration)``).
+        source: a metric source (default: a :class:`PodsSource` over the fleet's processes).
     """
 
     def __init__(self, fleet, window_s: float = 30.0, interval_s: float = 5.0, drain_timeout_s: float = 300.0,
-                 startup_s: float = 30.0, policy=None):
+                 startup_s: float = 30.0, calibration=None, policy=None, source=None):
         self.fleet = fleet
         spec = fleet.pool.spec
         if policy is None:
             from .policy import Autoscaler
-            policy = Autoscaler(spec, startup_s=startup_s)
+            policy = Autoscaler(spec, calibration, startup_s=startup_s)
         self.policy = policy
         pct = {r: (getattr(spec, r).autoscaling.target.percentile
                    if getattr(spec, r).autoscaling and getattr(spec, r).autoscaling.target else 90.0)
                for r in ("prefill", "decode")}
-        self.source = PodsSource(window_s, pct, stale_s=max(window_s, 3 * interval_s))
+        self.source = source or PodsSource(window_s, pct, stale_s=max(window_s, 3 * interval_s))
         self.interval_s, self.drain_timeout_s = interval_s, drain_timeout_s
         self.advisory = spec.autoscaling.mode == "advisory"
         self.enabled = {r: bool(getattr(spec, r).autoscaling and getattr(spec, r).autoscaling.enabled)

@@ -15,11 +15,17 @@ from pathlib import Path
 import pytest
 import requests
 
-from fleet_utils import MODEL, chat, example_manifest, metric, wait_for
+from fleet_utils import MODEL, ROOT, chat, example_manifest, metric, wait_for
+from prometheus_utils import Prometheus
 from tandem.operator.autoscaler.fleet_loop import FleetAutoscaler
+from tandem.operator.autoscaler.policy import Autoscaler
+from tandem.operator.autoscaler.prometheus_source import PrometheusSource
 from tandem.operator.local import LocalFleet
+from tandem.worker.bench.calibration import Calibration
 
 CPU = {"requests": {"cpu": "1", "memory": "1Gi"}}
+#: SmolLM2 on this kind of CPU, measured by `tandem bench calibrate` (the spec's calibrationRef)
+CALIBRATION = ROOT / "bench" / "calibrations" / "smollm2-cpu.yaml"
 
 
 def _fleet(overrides: dict, name: str) -> LocalFleet:
@@ -58,7 +64,32 @@ def _single_tpot(url: str, n: int = 48) -> float:
     return (time.monotonic() - first) / (n - 1)
 
 
-@pytest.mark.timeout(420)
+class Shadow:
+    """The same policy fed by a real Prometheus scraping the fleet (file service discovery rewritten
+    from the fleet's processes every second): what it would decide, tick by tick, beside the pods
+    source that acts."""
+
+    def __init__(self, fleet, loop: FleetAutoscaler, prom: Prometheus, window_s: float):
+        self.fleet, self.loop, self.prom = fleet, loop, prom
+        self.source = PrometheusSource(prom.url, fleet.pool.metadata.name, window_s, {"decode": 90, "prefill": 90})
+        self.policy = Autoscaler(fleet.pool.spec, Calibration.load(CALIBRATION), startup_s=20)
+        self.decisions: list = []
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def _run(self):
+        while not self._stop.wait(1.0):
+            self.prom.targets([p.url for p in list(self.fleet.procs)])
+            snap = self.source.observe(self.loop.targets())
+            self.decisions.append((snap, self.policy.decide(snap)))
+
+    def stop(self):
+        self._stop.set()
+        self._t.join(10)
+
+
+@pytest.mark.timeout(480)
 def test_decode_scales_up_under_load_then_drains_a_busy_worker(tmp_path):
     fleet = _fleet({"spec.prefill": {"replicas": 1, "resources": CPU},
                     "spec.decode": {"resources": CPU, "autoscaling": {
@@ -67,15 +98,18 @@ def test_decode_scales_up_under_load_then_drains_a_busy_worker(tmp_path):
                         "behavior": {"scaleUp": {"stabilizationWindowSeconds": 0, "maxStep": 1, "periodSeconds": 5},
                                      "scaleDown": {"stabilizationWindowSeconds": 10, "maxStep": 1,
                                                    "periodSeconds": 10}}}}}, "asfleet")
-    loop = None
+    loop = shadow = None
+    prom = Prometheus(tmp_path / "prometheus")
     try:
         _single_tpot(fleet.endpoint, 8)                        # warm-up
         single = min(_single_tpot(fleet.endpoint) for _ in range(2))
         target = 1.5 * single
         fleet.pool.spec.decode.autoscaling.target.seconds = target
         print(f"single-request TPOT {single * 1e3:.1f} ms; target {target * 1e3:.1f} ms", flush=True)
-        loop = FleetAutoscaler(fleet, window_s=10, interval_s=2, startup_s=20)
+        loop = FleetAutoscaler(fleet, window_s=20, interval_s=2, startup_s=20,
+                               calibration=Calibration.load(CALIBRATION))
         loop.start()
+        shadow = Shadow(fleet, loop, prom, window_s=20)
 
         # a load that pushes TPOT over the target: the decode pool grows to 2
         heavy = _bench(fleet.endpoint, tmp_path / "heavy", "--num-prompts", "400", "--concurrency", "16",
@@ -87,14 +121,18 @@ def test_decode_scales_up_under_load_then_drains_a_busy_worker(tmp_path):
         ups = [d for d in loop.decisions if d["decode"]["desired"] > d["decode"]["current"]]
         assert grew, f"decode never reached 2 ready workers; decisions: {list(loop.decisions)[-5:]}"
         assert ups and ups[0]["decode"]["observed"] > target * 1.1, ups[:1]
+        # the same scale-up, seen through Prometheus
+        seen = [(sn, d) for sn, d in shadow.decisions if d.decode.desired > d.decode.current]
+        assert seen, [(sn.decode, d.decode.reason) for sn, d in shadow.decisions[-5:]]
+        assert seen[0][0].decode.signal == "ok" and seen[0][0].decode.latency > target * 1.1
 
         # a trickle of long requests: TPOT falls, the pool drains one (busy) worker and stops it
-        trickle = _bench(fleet.endpoint, tmp_path / "trickle", "--num-prompts", "24", "--concurrency", "4",
-                         "--output-len", "256", "--fail-on-error")
+        trickle = _bench(fleet.endpoint, tmp_path / "trickle", "--num-prompts", "24", "--concurrency", "2",
+                         "--output-len", "96", "--fail-on-error")
         shrank = wait_for(lambda: loop.drains and loop.drains[0].get("stopped_at"), timeout=240, interval=1)
         assert shrank, f"no drain; decisions: {list(loop.decisions)[-5:]}"
         s = _summary(trickle, tmp_path / "trickle")
-        assert s["failed"] == 0 and s["completed"] == 24, s
+        assert s["failed"] == 0 and s["completed"] == 24, s      # zero failed requests, the drained one's too
         d = loop.drains[0]
         assert d["role"] == "decode" and d["at_drain"]["draining"] is True
         assert d["at_drain"]["in_flight"] >= 1, d   # streams were in flight on the drained worker ...
@@ -103,8 +141,11 @@ def test_decode_scales_up_under_load_then_drains_a_busy_worker(tmp_path):
             d["name"] not in [p.name for p in fleet.workers("decode")]
         assert metric(fleet.endpoint, "tandem:request_success_total") >= 0   # the router still answers
     finally:
+        if shadow is not None:
+            shadow.stop()
         if loop is not None:
             loop.stop()
+        prom.stop()
         fleet.stop(grace=10)
 
 
