@@ -75,6 +75,8 @@ class LocalFleet:
         self.lock = threading.RLock()   # procs and the discovery file: the autoscaler's thread changes them
         self.discovery_file = self.dir / "discovery.json"
         self._serial = {"prefill": 0, "decode": 0}
+        #: the autoscaler's last burst-absorption decision, passed to the router in the discovery file
+        self.absorb_bursts = False
 
     @property
     def autoscaled(self) -> bool:
@@ -91,6 +93,7 @@ class LocalFleet:
         with self.lock:
             d = {role: [p.url for p in self.procs if p.role == role and p.state == "ready"]
                  for role in ("prefill", "decode")}
+            d["absorbBursts"] = self.absorb_bursts
             tmp = self.discovery_file.with_suffix(".tmp")
             tmp.write_text(json.dumps(d))
             os.replace(tmp, self.discovery_file)

@@ -103,6 +103,9 @@ class FleetAutoscaler:
         if decision.changes:
             self.fleet.out.write(f"[autoscaler] {'advisory: ' if not acted else ''}{summary(decision)}\n")
             self.fleet.out.flush()
+        if acted and decision.absorb_bursts != self.fleet.absorb_bursts:
+            self.fleet.absorb_bursts = decision.absorb_bursts   # the router prefills bursts locally (or stops)
+            self.fleet.write_discovery()
         if acted:
             for role in ("prefill", "decode"):
                 if self.enabled[role]:

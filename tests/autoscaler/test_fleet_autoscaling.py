@@ -119,12 +119,14 @@ def test_decode_scales_up_under_load_then_drains_a_busy_worker(tmp_path):
         heavy.terminate()   # the rest of the heavy run is not needed (a terminated client is not a failure)
         heavy.wait(60)
         ups = [d for d in loop.decisions if d["decode"]["desired"] > d["decode"]["current"]]
-        assert grew, f"decode never reached 2 ready workers; decisions: {list(loop.decisions)[-5:]}"
-        assert ups and ups[0]["decode"]["observed"] > target * 1.1, ups[:1]
+        assert grew and ups, f"decode never reached 2 ready workers; decisions: {list(loop.decisions)[-5:]}"
+        # the load pushed TPOT over the target (the calibrated policy may act on the demand first)
+        assert max(d["decode"]["observed"] or 0 for d in loop.decisions) > target * 1.1, list(loop.decisions)
         # the same scale-up, seen through Prometheus
         seen = [(sn, d) for sn, d in shadow.decisions if d.decode.desired > d.decode.current]
         assert seen, [(sn.decode, d.decode.reason) for sn, d in shadow.decisions[-5:]]
-        assert seen[0][0].decode.signal == "ok" and seen[0][0].decode.latency > target * 1.1
+        assert seen[0][0].decode.signal == "ok"
+        assert max(sn.decode.latency or 0 for sn, _ in shadow.decisions) > target * 1.1
 
         # a trickle of long requests: TPOT falls, the pool drains one (busy) worker and stops it
         trickle = _bench(fleet.endpoint, tmp_path / "trickle", "--num-prompts", "24", "--concurrency", "2",

@@ -178,7 +178,8 @@ class Router:
             def decide_fn():
                 return decide(self._states(self.discovery.decode_urls()),
                               self._states(self.discovery.prefill_urls()),
-                              len(ids), hashes, self.remote_min, self.routing, tried, self._rr)
+                              len(ids), hashes, self.remote_min, self.routing, tried, self._rr,
+                              absorb_bursts=getattr(self.discovery, "absorb_bursts", lambda: False)())
             while True:
                 d = await self._wait_for_decode(decide_fn)
                 if d is None:

@@ -27,9 +27,13 @@ class StaticDiscovery:
     def decode_urls(self) -> list[str]:
         return self._decode
 
+    def absorb_bursts(self) -> bool:
+        """Whether the autoscaler asks for local prefill on decode workers with headroom."""
+        return False
+
 
 class FileDiscovery(StaticDiscovery):
-    """Worker URLs from a JSON file ``{"prefill": [...], "decode": [...]}`` that the local fleet
+    """Worker URLs from a JSON file ``{"prefill": [...], "decode": [...], "absorbBursts": bool}`` that the local fleet
     replaces (write, then rename) as it starts and drains workers. The file is read again whenever
     its modification time or size changes, checked on every call (a ``stat``): the router learns of
     workers without a restart. A file that is missing or half-written keeps the last good lists."""
@@ -38,6 +42,7 @@ class FileDiscovery(StaticDiscovery):
         super().__init__([], [])
         self.path = path
         self._seen: tuple | None = None
+        self._absorb = False
         self._refresh()
 
     def _refresh(self) -> None:
@@ -56,6 +61,7 @@ class FileDiscovery(StaticDiscovery):
             log.warning("discovery file %s unreadable (%s); keeping the last lists", self.path, e)
             return
         self._seen, self._prefill, self._decode = key, prefill, decode
+        self._absorb = bool(d.get("absorbBursts", False))
 
     def prefill_urls(self) -> list[str]:
         self._refresh()
@@ -64,6 +70,10 @@ class FileDiscovery(StaticDiscovery):
     def decode_urls(self) -> list[str]:
         self._refresh()
         return self._decode
+
+    def absorb_bursts(self) -> bool:
+        self._refresh()
+        return self._absorb
 
 
 def make_discovery(spec: dict | None):

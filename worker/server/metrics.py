@@ -79,7 +79,7 @@ class Metrics:
         for reason in ("stop", "length", "abort"):
             self.requests.labels(**self.labels, finished_reason=reason)
         if role == "router":
-            for decision in ("remote", "short_prompt", "decode_cached", "no_prefill_worker"):
+            for decision in ("remote", "short_prompt", "decode_cached", "no_prefill_worker", "absorb_burst"):
                 self.routing.labels(**self.labels, decision=decision)
         if engine is not None:
             r.register(_EngineCollector(engine, self.labels))
