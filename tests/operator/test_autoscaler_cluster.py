@@ -8,7 +8,7 @@ requests had been served with the latencies the test picks. Real workers serve r
 local-fleet test (tests/autoscaler/test_fleet_autoscaling.py).
 
 The tests run in file order on one pool, like a session: scale up under a TPOT breach; an idle pool
-drains down to min; vanished metrics hold the count; advisory mode writes status only; two operator
+drains down to min; advisory mode writes status only; vanished metrics hold the count; two operator
 replicas with one Lease holder writing, then a takeover when it dies.
 """
 from __future__ import annotations
@@ -174,20 +174,6 @@ def test_an_idle_pool_with_working_metrics_drains_down_to_min(cluster, operator,
 
 
 @pytest.mark.timeout(240)
-def test_vanished_metrics_hold_the_count_never_below_min(cluster, operator, script):
-    script.rate, script.tpot = 4.0, SLOW_TPOT
-    wait_for(lambda: deployment_replicas(cluster, "decode") >= 2, 120, "decode scaled up again")
-    script.broken = True
-    n = deployment_replicas(cluster, "decode")
-    wait_for(lambda: any(d["decode"]["signal"] == "no_data" for d in decisions(cluster)[-3:]), 60, "no_data seen")
-    t_end = time.time() + 20          # two windows of no data: held, neither up nor down
-    while time.time() < t_end:
-        assert deployment_replicas(cluster, "decode") == n
-        time.sleep(1)
-    script.broken = False
-
-
-@pytest.mark.timeout(240)
 def test_advisory_mode_writes_status_only(cluster, operator, script):
     audit = AuditLog(cluster)
     apply_yaml(cluster, manifest("advisory"))
@@ -207,6 +193,20 @@ def test_advisory_mode_writes_status_only(cluster, operator, script):
     apply_yaml(cluster, manifest("active"))
 
 
+@pytest.mark.timeout(240)
+def test_vanished_metrics_hold_the_count_never_below_min(cluster, operator, script):
+    script.rate, script.tpot = 4.0, SLOW_TPOT
+    wait_for(lambda: deployment_replicas(cluster, "decode") >= 2, 120, "decode scaled up again")
+    script.broken = True
+    n = deployment_replicas(cluster, "decode")
+    wait_for(lambda: any(d["decode"]["signal"] == "no_data" for d in decisions(cluster)[-3:]), 60, "no_data seen")
+    t_end = time.time() + 20          # two windows of no data: held, neither up nor down
+    while time.time() < t_end:
+        assert deployment_replicas(cluster, "decode") == n
+        time.sleep(1)
+    script.broken = False
+
+
 @pytest.mark.timeout(300)
 def test_two_operator_replicas_one_lease_holder_writes_and_a_takeover_follows_its_death(cluster, operator, script):
     audit = AuditLog(cluster)
@@ -217,12 +217,12 @@ def test_two_operator_replicas_one_lease_holder_writes_and_a_takeover_follows_it
         names = [p["metadata"]["name"] for p in operator.pods()]
         assert holder in names, (holder, names)
         m = audit.mark()
-        script.rate, script.tpot = 4.0, SLOW_TPOT
-        start = deployment_replicas(cluster, "decode")
-        script.tpot = SLOW_TPOT * 3
+        script.rate = 0.0                           # idle: down to min, then a breach: up to max
+        wait_for(lambda: deployment_replicas(cluster, "decode") == 1, 150, "decode down to min")
+        script.rate, script.tpot = 4.0, SLOW_TPOT * 3
         wait_for(lambda: deployment_replicas(cluster, "decode") == 3, 120, "decode scaled to max")
-        writers = set(replica_writers(audit, m))
-        assert writers == {f"tandem-operator/{holder}"}, (writers, start)
+        writers = replica_writers(audit, m)
+        assert writers and set(writers) == {f"tandem-operator/{holder}"}, writers
 
         # the holder dies (SIGKILL: no release); the other replica takes over within the lease time
         d = next((cluster.dir / "pods").glob(f"{OPERATOR_NS}_{holder}_*"))
