@@ -102,7 +102,9 @@ def test_decode_scales_up_under_load_then_drains_a_busy_worker(tmp_path):
     prom = Prometheus(tmp_path / "prometheus")
     try:
         _single_tpot(fleet.endpoint, 8)                        # warm-up
-        single = min(_single_tpot(fleet.endpoint) for _ in range(2))
+        # the single request's TPOT, the highest of three: this machine is shared, and a target set on
+        # a lucky measurement would read a trickle as a breach
+        single = max(_single_tpot(fleet.endpoint) for _ in range(3))
         target = 1.5 * single
         fleet.pool.spec.decode.autoscaling.target.seconds = target
         print(f"single-request TPOT {single * 1e3:.1f} ms; target {target * 1e3:.1f} ms", flush=True)
