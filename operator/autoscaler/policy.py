@@ -85,7 +85,7 @@ class _RoleState:
     recs: deque = field(default_factory=deque)        # (at, recommendation)
     events: deque = field(default_factory=deque)      # (at, delta) of applied changes
     demand: deque = field(default_factory=deque)      # (at, demand in the role's unit)
-    correction: float = 1.0                           # observed / predicted latency (EWMA)
+    correction: float = 1.0                           # capacity factor: real / modelled capacity
 
 
 @dataclass
@@ -108,16 +108,19 @@ class Autoscaler:
         correction_alpha: weight of each new observation in the latency correction (0..1).
         headroom: the fraction of the SLO capacity the demand sizing plans to use (0..1]; the rest absorbs
             noise between ticks.
+        catch_up_s: prefill sizes to drain its backlog within this many seconds of new replicas being
+            ready (see ``_catch_up``).
     """
 
     def __init__(self, spec, calibration=None, *, startup_s: float = 120.0, forecast_window_s: float = 180.0,
-                 correction_alpha: float = 0.2, headroom: float = 0.9):
+                 correction_alpha: float = 0.2, headroom: float = 0.8, catch_up_s: float = 60.0):
         self.spec = spec
         self.perf = PerfModel.of(calibration)
         self.startup_s = float(startup_s)
         self.forecast_window_s = float(forecast_window_s)
         self.correction_alpha = float(correction_alpha)
         self.headroom = float(headroom)
+        self.catch_up_s = float(catch_up_s)
         self.limits = {"prefill": RoleLimits.of(spec.prefill, 1.0), "decode": RoleLimits.of(spec.decode, 0.1)}
         pa = spec.autoscaling
         self.scale_to_zero = bool(pa.scaleToZero)
@@ -142,6 +145,10 @@ class Autoscaler:
                 decisions[r] = RoleDecision(r, cur, lim.min, s.rec, rs.signal,
                                             f"autoscaling is off: {lim.min} replicas", None, s.inputs)
                 continue
+            if not st.recs and lim.down_window > 0:
+                # the first decision: as if the current count had been recommended until now, so that a
+                # restarted autoscaler does not drop a serving pool before its window has seen anything
+                st.recs.append((at - lim.down_window, cur))
             st.recs.append((at, s.rec))
             horizon = max(lim.up_window, lim.down_window, lim.up_period, lim.down_period) + 1
             while st.recs and st.recs[0][0] < at - horizon:
@@ -179,21 +186,26 @@ class Autoscaler:
             return _Sized(to, f"idle (the scrape answered, nothing arrived): down to {to}", {"idle": True})
 
         target = lim.target
-        demand, per_replica, inputs = self._demand(role, snap)
+        demand, model, inputs = self._demand(role, snap)
         # forecast one start-up ahead: a linear trend over the recent window, never below the present
         st.demand.append((snap.at, demand))
         while st.demand and st.demand[0][0] < snap.at - self.forecast_window_s:
             st.demand.popleft()
-        forecast = self._forecast(st.demand, snap.at + self.startup_s, demand)
-        inputs.update(demand=round(demand, 4), forecast=round(forecast, 4), target=target,
-                      correction=round(st.correction, 3))
+        level, forecast = self._forecast(st.demand, snap.at + self.startup_s, demand)
+        need = urgent = None
+        if model is not None:
+            self._learn(role, snap, model(demand), model(demand * 1.25))
+            # up on the window's own demand (or its trend), down only as far as the smoothed level
+            # allows: one noisy window can add a replica but not take one away
+            catch = self._catch_up(role, rs, demand, inputs)
+            need = min(lim.max * 4, model(max(forecast, demand) + catch))
+            smooth = min(lim.max * 4, model(max(forecast, level)))
+            if need < cur:
+                need = min(cur, max(need, smooth))
+            urgent = need
+        inputs.update(demand=round(demand, 4), level=round(level, 4), forecast=round(forecast, 4), target=target,
+                      capacity_factor=round(st.correction, 3), need=need)
         lat = rs.latency
-        need = None
-        if per_replica is not None and per_replica > 0:
-            need = math.ceil(max(forecast, demand) / (per_replica * self.headroom) - 1e-9)
-            inputs["capacity_per_replica"] = round(per_replica, 4)
-        elif per_replica is not None:
-            need = lim.max   # even an idle replica misses the target: as many as allowed
         if lat is None or (isinstance(lat, float) and math.isnan(lat)):
             rec = max(need if need is not None else cur, cur if rs.waiting > 0 else 0)
             return _Sized(rec, f"no latency yet; demand {demand:.3g} needs {rec}", inputs)
@@ -202,7 +214,7 @@ class Autoscaler:
         if ratio > 1 + lim.tolerance:
             # HPA's proportional rule on the ready replicas; starting ones are the capacity on the way
             prop = math.ceil(max(rs.ready, 1) * min(ratio, 2.0) - 1e-9)
-            rec = max(cur, prop, need or 0)
+            rec = max(cur, prop, urgent or 0)
             if rec == cur and rs.starting == 0 and rs.waiting > 0:
                 rec = cur + 1
             return _Sized(rec, f"{self._metric(role)} {lat:.3g}s above target {target:.3g}s (x{ratio:.2f}); "
@@ -219,75 +231,100 @@ class Autoscaler:
     def _metric(role: str) -> str:
         return "p90 TTFT" if role == "prefill" else "p90 TPOT"
 
-    def _demand(self, role: str, snap: PoolSnapshot) -> tuple[float, Optional[float], dict]:
-        """(demand, capacity per replica in the same unit or None without a model, inputs)."""
+    def _demand(self, role: str, snap: PoolSnapshot):
+        """(demand, replicas-needed function of a demand or None without a model, inputs).
+
+        prefill: demand in erlangs (arrivals/s x the calibrated service of the mean prompt), sized as one
+        M/G/c queue (plus a catch-up load for its backlog, ``_catch_up``); decode: output
+        tokens/s (plus the queued sequences' tokens over a start-up time), over the tokens/s one replica
+        generates at the SLO. Both scaled by the capacity factor learned online."""
         rs, st, lim = snap.role(role), self.state[role], self.limits[role]
         pre, dec = snap.prefill, snap.decode
-        arr = max(rs.arrivals_per_s, 1e-9)
-        prompt = pre.prompt_tokens_per_s / max(pre.arrivals_per_s, 1e-9) if pre.arrivals_per_s > 0 else 0.0
-        output = dec.output_tokens_per_s / max(dec.arrivals_per_s, 1e-9) if dec.arrivals_per_s > 0 else 0.0
-        self._learn(role, snap, prompt, output)
+        prompt = pre.prompt_tokens_per_s / pre.arrivals_per_s if pre.arrivals_per_s > 0 else 0.0
+        output = dec.output_tokens_per_s / dec.arrivals_per_s if dec.arrivals_per_s > 0 else 0.0
+        phi = st.correction * self.headroom
         if self.perf is None:
             # no model: the throughput each ready replica carries now, scaled by the latency headroom
             load = rs.arrivals_per_s if role == "prefill" else rs.output_tokens_per_s
             lat = rs.latency
             if rs.ready > 0 and lat and lat > 0 and not math.isnan(lat) and load > 0:
                 per = load / rs.ready * min(2.0, lim.target / lat)
-                return load, per, {"unit": "requests/s" if role == "prefill" else "tokens/s"}
+                return load, (lambda x: max(1, math.ceil(x / (per * self.headroom) - 1e-9))), \
+                    {"unit": "requests/s" if role == "prefill" else "tokens/s", "per_replica": round(per, 4)}
             return load, None, {}
         if role == "prefill":
             s = self.perf.remote_prefill_seconds(max(prompt, 1.0))
-            demand = rs.arrivals_per_s * s + rs.waiting * s / self.startup_s
-            cap = self.perf.prefill_capacity(lim.target, s, st.correction)
-            return demand, cap, {"unit": "busy s/s", "mean_prompt_tokens": round(prompt, 1),
-                                 "service_s": round(s, 4)}
-        ctx = prompt + output / 2
-        m = self.perf.decode_capacity(lim.target, ctx, st.correction)
-        step = self.perf.decode_step_seconds(1 + m, ctx)
-        cap = m / step if step > 0 else 0.0   # tokens/s one replica generates at the SLO
-        backlog = rs.waiting * max(output, 1.0) / self.startup_s
-        return rs.output_tokens_per_s + backlog, cap, {"unit": "tokens/s", "context_tokens": round(ctx, 1),
-                                                       "running_at_slo": round(m, 3)}
+            demand = rs.arrivals_per_s * s
+            most = lim.max * 4
 
-    def _learn(self, role: str, snap: PoolSnapshot, prompt: float, output: float) -> None:
-        """Update the latency correction (observed / predicted) from a steady window: replicas all ready,
-        traffic flowing, a latency measured."""
-        rs, st = snap.role(role), self.state[role]
+            def need(x):
+                return self.perf.prefill_replicas(x / phi, s, lim.target, most) if x > 0 else 0
+            return demand, need, {"unit": "erlangs", "mean_prompt_tokens": round(prompt, 1), "service_s": round(s, 4)}
+        ctx = prompt + output / 2
+        most = lim.max * 4
+
+        def need_d(x):
+            return self.perf.decode_replicas(x / phi, ctx, lim.target, most) if x > 0 else 0
+        backlog = rs.waiting * max(output, 1.0) / self.startup_s
+        slots, _ = self.perf.decode_slots(lim.target, ctx)
+        return rs.output_tokens_per_s + backlog, need_d, {"unit": "tokens/s", "context_tokens": round(ctx, 1),
+                                                          "slots_per_replica": round(slots, 3)}
+
+    def _catch_up(self, role: str, rs: RoleSnapshot, demand: float, inputs: dict) -> float:
+        """Prefill's extra load (erlangs) to drain, within ``catch_up_s`` of the new replicas being ready,
+        the backlog that will have built by then: the work queued now plus what the ready replicas
+        cannot serve (demand above one erlang each) for one start-up time (after Flink's autoscaler,
+        which sizes for a catch-up duration). The router sends each prompt to the least-loaded worker, so
+        new replicas share the backlog's waiting: it drains at (ready - demand) erlangs. Decode builds no
+        queue (its sequences batch and slow down), so it has none."""
+        if role != "prefill" or self.perf is None or demand <= 0:
+            return 0.0
+        s = inputs.get("service_s", 0.0)
+        backlog = rs.waiting * s + max(0.0, demand - rs.ready) * self.startup_s
+        catch = backlog / self.catch_up_s
+        if catch > 0:
+            inputs["catch_up"] = round(catch, 3)
+        return catch
+
+    def _learn(self, role: str, snap: PoolSnapshot, planned: int, tight: int) -> None:
+        """Correct the capacity factor from a steady window (replicas all ready, none draining, traffic
+        flowing, a latency measured) in which the model's view can be checked: above the band while the
+        model said the ready replicas suffice (``planned`` <= ready), capacity was overrated (-10%); well
+        below the target (< 0.75) while the model said the count is tight (25% more load would need more
+        replicas: ``tight`` > ready), it was underrated (+2%, a slow probe paced by the scale-down
+        window). Low latency at low load says nothing about capacity, so it teaches nothing."""
+        rs, st, lim = snap.role(role), self.state[role], self.limits[role]
         lat = rs.latency
-        if (self.perf is None or rs.signal != "ok" or rs.starting or rs.ready <= 0 or lat is None
+        if (rs.signal != "ok" or rs.starting or rs.draining or rs.ready <= 0 or lat is None
                 or math.isnan(lat) or rs.arrivals_per_s <= 0):
             return
-        if role == "prefill":
-            s = self.perf.remote_prefill_seconds(max(prompt, 1.0))
-            rho = rs.arrivals_per_s * s / rs.ready
-            if rho >= 0.95:
-                return   # a saturated queue measures the backlog, not the model
-            pred = self.perf.prefill_p90(rho, s)
-        else:
-            ctx = prompt + output / 2
-            step1 = self.perf.decode_step_seconds(1, ctx)
-            running = rs.output_tokens_per_s * step1 / rs.ready
-            pred = self.perf.decode_p90(running, ctx)
-        obs = min(3.0, max(0.5, lat / pred))
-        st.correction = min(3.0, max(0.5, (1 - self.correction_alpha) * st.correction + self.correction_alpha * obs))
+        ratio = lat / lim.target
+        if ratio > 1 + lim.tolerance and planned <= rs.ready:
+            st.correction = max(0.3, st.correction * 0.9)
+        elif ratio < 0.75 and tight > rs.ready:
+            st.correction = min(3.0, st.correction * 1.02)
 
     @staticmethod
-    def _forecast(hist: deque, when: float, now_value: float) -> float:
-        if len(hist) < 3:
-            return now_value
+    def _forecast(hist: deque, when: float, now_value: float) -> tuple[float, float]:
+        """(level, forecast) of the demand: a least-squares line through the recent window gives the
+        level now (the noise of one window averaged out) and, when its slope is significant (t > 2)
+        and rising, the value at ``when``, capped at 1.25x the level (a trend, not a burst)."""
+        n = len(hist)
+        if n < 4:
+            return now_value, now_value
         ts = [t for t, _ in hist]
         vs = [v for _, v in hist]
-        n = len(ts)
         mt, mv = sum(ts) / n, sum(vs) / n
         var = sum((t - mt) ** 2 for t in ts)
         if var <= 0:
-            return now_value
+            return now_value, now_value
         slope = sum((t - mt) * (v - mv) for t, v in zip(ts, vs)) / var
-        if slope <= 0:
-            return now_value
-        # the trend from the fitted level now, capped at twice the present (a trend, not a burst)
-        level = mv + slope * (ts[-1] - mt)
-        return max(now_value, min(2 * max(now_value, 1e-9), level + slope * (when - ts[-1])))
+        level = max(0.0, mv + slope * (ts[-1] - mt))
+        resid = sum((v - (mv + slope * (t - mt))) ** 2 for t, v in zip(ts, vs)) / max(1, n - 2)
+        se = math.sqrt(resid / var) if resid > 0 else 0.0
+        if slope <= 0 or (se > 0 and slope / se < 2):
+            return level, level
+        return level, min(1.25 * max(level, 1e-9), level + slope * (when - ts[-1]))
 
     # ------------------------------------------------------------------------------------------
     def _behave(self, role: str, cur: int, rec: int, at: float, rs: RoleSnapshot, wake: bool
