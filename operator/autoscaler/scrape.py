@@ -1,9 +1,9 @@
 """Reading Prometheus text exposition: one scrape as numbers, differences of counters and histograms
 between two scrapes, and a percentile from histogram buckets.
 
-The parser is prometheus_client's. The percentile is Prometheus' ``histogram_quantile`` rule: find the
-bucket holding the rank, interpolate linearly between its lower and upper edge (0 below the first edge);
-a rank in the +Inf bucket answers the highest finite edge.
+The parser is prometheus_client's. The percentile is Prometheus' ``histogram_quantile`` rule
+(:mod:`.histogram`): find the bucket holding the rank, interpolate linearly between its lower and upper
+edge (0 below the first edge); a rank in the +Inf bucket answers the highest finite edge.
 """
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
 from prometheus_client.parser import text_string_to_metric_families
+
+from .histogram import percentile
 
 LabelSet = frozenset  # of (name, value) pairs
 
@@ -104,26 +106,11 @@ def add_buckets(a: dict[float, float], b: dict[float, float]) -> dict[float, flo
 
 def histogram_quantile(q: float, buckets: dict[float, float]) -> Optional[float]:
     """The q-quantile (0 < q < 1) of cumulative bucket counts {upper edge: count}; None when the
-    histogram holds no observation.
+    histogram holds no observation. :func:`.histogram.percentile` (histogram_quantile's rule) does it.
 
     Raises ValueError for q outside (0, 1)."""
     if not 0 < q < 1:
         raise ValueError(f"quantile must be in (0, 1), got {q}")
-    edges = sorted(buckets)
-    if not edges or math.inf not in buckets:
+    if math.inf not in buckets:
         return None
-    total = buckets[math.inf]
-    if total <= 0:
-        return None
-    rank = q * total
-    prev_edge, prev_count = 0.0, 0.0
-    for le in edges:
-        count = buckets[le]
-        if count >= rank:
-            if le == math.inf:
-                return prev_edge   # Prometheus: the highest finite edge
-            if count == prev_count:
-                return le
-            return prev_edge + (le - prev_edge) * (rank - prev_count) / (count - prev_count)
-        prev_edge, prev_count = le, count
-    return prev_edge
+    return percentile(buckets.items(), q * 100.0)
