@@ -57,11 +57,34 @@ def _ready(pod: dict) -> bool:
                for c in (pod.get("status") or {}).get("conditions") or [])
 
 
+def load_calibration(kube: Kube, pool: S.InferencePool):
+    """The performance model ``spec.autoscaling.calibrationRef`` names (the ConfigMap's
+    ``calibration.yaml``, docs/bench.md), or None when unset or unreadable (logged: the policy then
+    sizes from latency alone)."""
+    ref = pool.spec.autoscaling.calibrationRef
+    if ref is None:
+        return None
+    import yaml
+
+    from tandem.worker.bench.calibration import Calibration
+    ns = pool.metadata.namespace
+    try:
+        cm = kube.get(object_path("v1", "configmaps", ns, ref.configMap))
+        if cm is None:
+            raise ValueError("no such ConfigMap")
+        return Calibration.from_dict(yaml.safe_load((cm.get("data") or {}).get("calibration.yaml") or "{}") or {})
+    except (KubeError, ValueError, yaml.YAMLError) as e:
+        log.warning("autoscaler: %s/%s: calibrationRef %s: %s; sizing from latency alone", ns,
+                    pool.metadata.name, ref.configMap, e)
+        return None
+
+
 class _PoolState:
-    def __init__(self, pool: S.InferencePool, window_s: float, interval_s: float, startup_s: float):
+    def __init__(self, pool: S.InferencePool, window_s: float, interval_s: float, startup_s: float,
+                 calibration=None):
         from .policy import Autoscaler
         self.generation = pool.metadata.generation
-        self.policy = Autoscaler(pool.spec, startup_s=startup_s)
+        self.policy = Autoscaler(pool.spec, calibration, startup_s=startup_s)
         pct = {r: (getattr(pool.spec, r).autoscaling.target.percentile
                    if getattr(pool.spec, r).autoscaling and getattr(pool.spec, r).autoscaling.target else 90.0)
                for r in ROLES}
@@ -135,7 +158,8 @@ class KubeAutoscaler:
             seen.add(key)
             st = self.pools.get(key)
             if st is None or st.generation != pool.metadata.generation:
-                st = self.pools[key] = _PoolState(pool, self.window_s, self.interval_s, self.startup_s)
+                st = self.pools[key] = _PoolState(pool, self.window_s, self.interval_s, self.startup_s,
+                                                  load_calibration(self.kube, pool))
             try:
                 self._pool(body, pool, st)
             except KubeError as e:
