@@ -1,5 +1,6 @@
 """The ``tandem`` command: ``generate`` (one completion), ``serve`` (one worker or router), ``up``
-(a whole InferencePool as local processes), ``bench`` (load generator, calibration, traces)."""
+(a whole InferencePool as local processes), ``bench`` (load generator, calibration, traces),
+``simulate`` (the autoscaling policy and its baselines on a simulated fleet)."""
 from __future__ import annotations
 
 import argparse
@@ -70,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_commands(sub)
     add_bench_commands(sub)
+    from tandem.operator.simulate.cli import add_simulate_command
+    add_simulate_command(sub)
     return p
 
 

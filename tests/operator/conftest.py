@@ -6,7 +6,8 @@ a pod (a process in its own network namespace, through the node agent) under the
 ServiceAccount with a TokenRequest token. Everything is stopped by PID at the end.
 
 Worker pods run the real `tandem serve` when it exists; otherwise a MOCK `tandem serve`
-(tests/operator/mock_bin/tandem) that serves /health, /ready and /drain only.
+(tests/operator/mock_bin/tandem) that serves /health, /ready, /drain and scripted /metrics. Pods of the
+image MOCK_IMAGE always run the mock (the autoscaler's tests script their /metrics).
 """
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from operator_helpers import (MOCK_BIN, OPERATOR_NS, ROOT, Cluster, Operator, _can_run_cluster,  # noqa: F401
-                              real_worker_available, render_chart)
+from operator_helpers import (MOCK_BIN, MOCK_IMAGE, OPERATOR_NS, ROOT, Cluster, Operator,  # noqa: F401
+                              _can_run_cluster, real_worker_available, render_chart)
 
 
 @pytest.fixture(scope="session")
@@ -44,7 +45,7 @@ def cluster(request, worker_kind):
     # and would delete etcd's data and the pods' files under a running cluster.
     workdir = Path(tempfile.mkdtemp(prefix="tandem-operator-e2e-"))
     print(f"[operator e2e] cluster files (logs, audit log, pods) in {workdir}", flush=True)
-    c = Cluster(workdir, pod_path_prepend=extra)
+    c = Cluster(workdir, pod_path_prepend=extra, image_paths={MOCK_IMAGE: str(MOCK_BIN)})
     with c:
         c.kubectl("apply", "--server-side", "-f", str(ROOT / "crds"))
         c.kubectl("wait", "--for=condition=established", "--timeout=60s",

@@ -21,6 +21,8 @@ OPERATOR_NS = "tandem-system"
 RELEASE = "tandem-operator"
 OPERATOR_SA = f"system:serviceaccount:{OPERATOR_NS}:{RELEASE}"
 MOCK_BIN = ROOT / "tests" / "operator" / "mock_bin"
+#: Pods of this image run the MOCK `tandem serve` even where the real one exists (see conftest.py).
+MOCK_IMAGE = "local/tandem-mock-worker:test"
 
 
 def real_worker_available() -> bool:
@@ -54,7 +56,10 @@ def _can_run_cluster() -> str | None:
 
 def render_chart(helm_bin: str, *sets: str) -> str:
     args = [helm_bin, "template", RELEASE, str(ROOT / "charts/tandem-operator"), "-n", OPERATOR_NS,
-            "--set", "resyncSeconds=5", "--set", "image.repository=local/tandem-operator"]
+            "--set", "resyncSeconds=5", "--set", "image.repository=local/tandem-operator",
+            # the autoscaler's windows short enough for tests (test manifests keep theirs <= 20 s)
+            "--set", "autoscaler.intervalSeconds=2", "--set", "autoscaler.windowSeconds=10",
+            "--set", "autoscaler.leaseDurationSeconds=8"]
     for s in sets:
         args += ["--set", s]
     return subprocess.run(args, check=True, capture_output=True, text=True).stdout

@@ -1,0 +1,209 @@
+"""Per-replica latency and capacity at the SLO, from a calibration (the performance model the policy and
+the simulator share).
+
+Units: seconds, tokens, bytes. Two roles, two models:
+
+- prefill: a replica serves remote prefills one at a time (first come, first served); a request holds it
+  for :meth:`PerfModel.remote_prefill_seconds` (the prefill compute, or the KV push when that is longer,
+  since on the measured CPU fleet the push is the longer part and both run on the worker's cores).
+  With Poisson arrivals at utilization rho the wait is M/G/1's: P(W > t) ~= rho exp(-t / w), with
+  w = s (1 + cv^2) / (2 (1 - rho)) the mean wait of a request that does wait (Kingman's heavy-traffic
+  approximation, exponential tail). p90 TTFT = s + that tail's 90th percentile.
+- decode: continuous batching; every running sequence advances one token per step, and a step of
+  ``b`` sequences costs ``decode_step_seconds(b, context)``. A sequence's TPOT is the mean step over
+  its life, so the p90 TPOT at ``m`` mean running sequences per replica is taken at an effective batch
+  1 + m + z sqrt(m) / 2 (one's own sequence, the Poisson mean of the others, and half the 90th
+  percentile's spread: the mean over a sequence's life halves the spread of a point sample),
+  interpolated linearly between integer batches.
+
+Both are first-order models; the policy multiplies their latency by a correction learned online
+(observed / predicted), as Dynamo's planner corrects its profiled interpolation.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+#: KV bytes per token of SmolLM2-135M in float32 (30 layers x 3 KV heads x 64 dims x K and V x 4 bytes),
+#: the model the committed calibration measured; the calibration's ``engine.kv_bytes_per_token``
+#: overrides it when present.
+SMOLLM2_KV_BYTES_PER_TOKEN = 30 * 3 * 64 * 2 * 4
+
+Z90 = 1.2816   # the standard normal's 90th percentile
+
+
+def erlang_c(c: int, a: float) -> float:
+    """Erlang C: the chance that an arrival waits in an M/M/c queue with offered load ``a`` erlangs."""
+    if a >= c:
+        return 1.0
+    term, total = 1.0, 1.0          # a^k / k!, summed for k < c
+    for k in range(1, c):
+        term *= a / k
+        total += term
+    last = term * a / c * c / (c - a)
+    return last / (total + last)
+
+
+def _bisect(f, lo: float, hi: float, iters: int = 50) -> float:
+    """The largest x in [lo, hi] with f(x) true, for f true at lo and monotone (true, then false)."""
+    if f(hi):
+        return hi
+    for _ in range(iters):
+        mid = (lo + hi) / 2
+        if f(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+@dataclass
+class PerfModel:
+    """Latency of one replica of each role, from a :class:`~tandem.worker.bench.calibration.Calibration`.
+
+    Args:
+        calibration: the fitted formulas (prefill, decode_step, optional kv_transfer).
+        kv_bytes_per_token: bytes of KV one prompt token moves from prefill to decode.
+        cv2: squared coefficient of variation of the prefill service time (1 for exponential, 0 for fixed
+            lengths); 0.2 covers log-normal prompt lengths with sigma up to about 0.4.
+    """
+    calibration: object
+    kv_bytes_per_token: float = SMOLLM2_KV_BYTES_PER_TOKEN
+    cv2: float = 0.2
+
+    def __post_init__(self):
+        # The formulas of worker/bench/calibration.py on plain floats: the simulator evaluates them some
+        # 10^5 times a run, and numpy's per-call overhead made that most of its time. A test checks that
+        # both agree.
+        fits = self.calibration.fits
+        self._pf = tuple(float(x) for x in fits["prefill"].coef)
+        self._ds = tuple(float(x) for x in fits["decode_step"].coef)
+        kv = fits.get("kv_transfer")
+        self._kv = None if kv is None else tuple(float(x) for x in kv.coef)
+        self._remote: dict = {}
+
+    @classmethod
+    def of(cls, calibration) -> Optional["PerfModel"]:
+        if calibration is None:
+            return None
+        bpt = (calibration.engine or {}).get("kv_bytes_per_token", SMOLLM2_KV_BYTES_PER_TOKEN)
+        return cls(calibration, float(bpt))
+
+    # ---- prefill ----------------------------------------------------------------------------
+    def local_prefill_seconds(self, prompt_tokens: float) -> float:
+        """Prefill computed where the sequence decodes (no KV transfer), seconds."""
+        a, b, c, _ = self._pf   # no cached prefix here: the n*k term is 0
+        n = float(prompt_tokens)
+        return max(1e-4, a + b * n + c * n * n)
+
+    def remote_prefill_seconds(self, prompt_tokens: float) -> float:
+        """TTFT of one remote prefill on an idle prefill replica, and the time it holds that replica (s)."""
+        got = self._remote.get(prompt_tokens)
+        if got is None:
+            p = self.local_prefill_seconds(prompt_tokens)
+            if self._kv is not None:
+                p = max(p, self._kv[0] + self._kv[1] * prompt_tokens * self.kv_bytes_per_token)
+            got = self._remote[prompt_tokens] = p
+        return got
+
+    def prefill_p90(self, rho: float, service_s: float) -> float:
+        """p90 TTFT (s) of a prefill replica at utilization ``rho`` with mean service ``service_s``."""
+        if rho >= 1:
+            return math.inf
+        if rho <= 0.1:
+            return service_s
+        w = service_s * (1 + self.cv2) / (2 * (1 - rho))
+        return service_s + w * math.log(10 * rho)
+
+    def prefill_pool_p90(self, replicas: int, load: float, service_s: float) -> float:
+        """p90 TTFT (s) of ``replicas`` prefill replicas fed ``load`` erlangs (arrivals/s x service s) by a
+        router that sends each prompt to the replica with the least work queued: the pool acts as one
+        M/G/c queue. Erlang C gives the chance to wait; the wait's tail is exponential at rate
+        (c - a) / s, stretched by (1 + cv^2) / 2 (Allen-Cunneen)."""
+        c, a = int(replicas), float(load)
+        if c <= 0 or a >= c:
+            return math.inf
+        if a <= 0:
+            return service_s
+        wait = erlang_c(c, a)
+        if wait <= 0.1:
+            return service_s
+        return service_s + math.log(10 * wait) * service_s * (1 + self.cv2) / (2 * (c - a))
+
+    def prefill_replicas(self, load: float, service_s: float, target_s: float, most: int = 10000) -> int:
+        """The fewest prefill replicas whose p90 TTFT meets ``target_s`` at ``load`` erlangs; ``most`` when
+        none does (the service alone misses the target)."""
+        if service_s > target_s:
+            return most
+        c = max(1, math.ceil(load))
+        while c < most and self.prefill_pool_p90(c, load, service_s) > target_s:
+            c += 1
+        return c
+
+    def prefill_capacity(self, target_s: float, service_s: float, correction: float = 1.0) -> float:
+        """Utilization per replica (erlangs: busy seconds per second) at which the corrected p90 TTFT
+        meets ``target_s``; 0 when even an idle replica misses it."""
+        if correction * service_s > target_s:
+            return 0.0
+        return _bisect(lambda r: correction * self.prefill_p90(r, service_s) <= target_s, 0.0, 0.99)
+
+    # ---- decode -----------------------------------------------------------------------------
+    def decode_step_seconds(self, batch: float, context: float) -> float:
+        """One decode step (s) at a possibly fractional ``batch``, interpolated between integers."""
+        batch = max(1.0, batch)
+        lo = math.floor(batch)
+        d, g, e, f_ = self._ds
+
+        def f(b, c):
+            return d + (g if b > 1 else 0.0) + e * b + f_ * b * c
+        a = f(lo, context)
+        if batch == lo:
+            return max(1e-4, a)
+        return max(1e-4, a + (batch - lo) * (f(lo + 1, context) - a))
+
+    def decode_slots(self, target_s: float, context: float) -> tuple[float, float]:
+        """(sequences one replica can batch at the SLO, step seconds at that batch): the largest batch B
+        whose step meets ``target_s``, plus the fraction of its life a sequence may spend at batch B + 1
+        before its mean step misses the target. (0, inf) when even batch 1 misses it."""
+        f = self.decode_step_seconds
+        if f(1, context) > target_s:
+            return 0.0, math.inf
+        b = 1
+        while b < 4096 and f(b + 1, context) <= target_s:
+            b += 1
+        lo, hi = f(b, context), f(b + 1, context)
+        frac = (target_s - lo) / (hi - lo) if hi > lo else 0.0
+        return b + min(0.99, max(0.0, frac)), lo
+
+    def decode_replicas(self, tokens_per_s: float, context: float, target_s: float, most: int = 10000) -> int:
+        """The fewest decode replicas whose p90 TPOT meets ``target_s`` at ``tokens_per_s`` generated.
+
+        The router sends each sequence to the replica running the fewest, so a sequence is batched past
+        the SLO's batch only when every replica is full: the pool acts as an M/G/c queue whose servers
+        are the replicas' whole batch slots at the SLO (:meth:`decode_slots`), its load the running sequences
+        (tokens/s x the step at that batch), and it meets the p90 when Erlang C says fewer than 10% of
+        sequences find every slot taken."""
+        slots, step = self.decode_slots(target_s, context)
+        if slots <= 0:
+            return most
+        # whole slots only: a sequence that must share past them tends to share for much of its life,
+        # so the fractional allowance is left as margin
+        whole = max(1, int(slots))
+        load = tokens_per_s * step
+        c = max(1, math.ceil(load / whole))
+        while c < most and erlang_c(c * whole, load) > 0.1:
+            c += 1
+        return c
+
+    def decode_p90(self, running: float, context: float) -> float:
+        """p90 TPOT (s) at ``running`` mean sequences per replica of mean KV length ``context``."""
+        m = max(0.0, running)
+        return self.decode_step_seconds(1 + m + Z90 * math.sqrt(m) / 2, context)
+
+    def decode_capacity(self, target_s: float, context: float, correction: float = 1.0,
+                        most: float = 512.0) -> float:
+        """Mean running sequences per replica at which the corrected p90 TPOT meets ``target_s``."""
+        if correction * self.decode_step_seconds(1, context) > target_s:
+            return 0.0
+        return _bisect(lambda m: correction * self.decode_p90(m, context) <= target_s, 0.0, most)

@@ -1,0 +1,419 @@
+"""tandem's SLO autoscaling policy: one :class:`Autoscaler` per pool, fed a :class:`PoolSnapshot` per
+tick, returning a :class:`Decision`. Pure and clock-free: time is ``snapshot.at`` only, so the operator,
+the local fleet and the simulator drive the same code. Imports no kopf.
+
+The algorithm (docs/autoscaler.md says what comes from whom):
+
+1. Per role, the signal: ``no_data`` holds the count (never below min); ``idle`` goes to min, or to 0
+   where the pool scales to zero; ``ok`` sizes the role.
+2. Sizing from demand (DistServe's per-role capacity, Dynamo's planner): prefill demand is busy seconds
+   per second (arrivals x the calibrated remote-prefill time of the mean prompt), decode demand is
+   output tokens per second. Capacity per replica at the SLO comes from the calibration
+   (:mod:`.capacity`), its latency multiplied by a correction learned online (observed / predicted).
+   Demand is forecast one start-up time ahead (a linear trend over the last few minutes, never below
+   the present), and work queued in the workers is added as backlog to clear within a start-up time.
+3. Latency is the constraint: above the tolerance band the role never shrinks and grows at least in
+   proportion to observed/target (HPA's rule) beyond the ready replicas; inside the band nothing
+   changes (unless the forecast alone needs more); below it the demand decides.
+4. Starting replicas count as capacity on the way: the latency rule compares with ready + starting.
+5. HPA's behavior: stabilization windows (up: the lowest recommendation of the window; down: the
+   highest), and at most ``maxStep`` replicas per ``periodSeconds`` each way; then min and max.
+6. Pool-wide: the prefill:decode ratio band and the GPU budget, the fewest GPUs meeting both. When the
+   budget binds, decode gets priority: a decode shortfall slows every running sequence and nothing
+   else can take it, while prefill overflow can go to decode replicas' local-prefill path.
+7. Burst absorption (TokenScale, arXiv 2512.03416): when prefill breaks or is forecast to break its TTFT
+   target while its new replicas start (or it cannot grow), and decode runs below its target, the
+   decision asks the router to prefill on decode replicas until the next tick.
+8. No new decision while a previous change is rolling out (``snapshot.rolling_out``).
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Optional
+
+from tandem.operator.autoscaler.capacity import PerfModel
+from tandem.operator.autoscaler.snapshot import Decision, PoolSnapshot, RoleDecision, RoleSnapshot
+
+ROLES = ("prefill", "decode")
+
+
+def gpus_per_replica(role_spec) -> int:
+    """GPUs one replica of a role requests; a replica that requests none counts as 1 (the CPU fleet's
+    stand-in for a GPU, so that budgets and GPU-hours still mean replicas)."""
+    from tandem.operator.spec import _gpus
+    return max(1, _gpus(role_spec))
+
+
+@dataclass
+class RoleLimits:
+    """One role's autoscaling settings, flattened from the spec (defaults for a role without any)."""
+    enabled: bool
+    min: int
+    max: int
+    target: float
+    percentile: float
+    tolerance: float
+    up_window: float
+    up_step: int
+    up_period: float
+    down_window: float
+    down_step: int
+    down_period: float
+    gpus: int
+
+    @classmethod
+    def of(cls, role_spec, default_target: float) -> "RoleLimits":
+        a = role_spec.autoscaling
+        fixed = role_spec.replicas if role_spec.replicas is not None else 1
+        if a is None or not a.enabled:
+            from tandem.operator.spec import RoleAutoscaling
+            b = RoleAutoscaling().behavior
+            return cls(False, fixed, fixed, default_target, 90.0, 0.1, b.scaleUp.stabilizationWindowSeconds,
+                       b.scaleUp.maxStep, b.scaleUp.periodSeconds, b.scaleDown.stabilizationWindowSeconds,
+                       b.scaleDown.maxStep, b.scaleDown.periodSeconds, gpus_per_replica(role_spec))
+        b = a.behavior
+        return cls(True, a.minReplicas, a.maxReplicas, a.target.seconds, a.target.percentile, a.tolerance,
+                   b.scaleUp.stabilizationWindowSeconds, b.scaleUp.maxStep, b.scaleUp.periodSeconds,
+                   b.scaleDown.stabilizationWindowSeconds, b.scaleDown.maxStep, b.scaleDown.periodSeconds,
+                   gpus_per_replica(role_spec))
+
+
+@dataclass
+class _RoleState:
+    recs: deque = field(default_factory=deque)        # (at, recommendation)
+    events: deque = field(default_factory=deque)      # (at, delta) of applied changes
+    demand: deque = field(default_factory=deque)      # (at, demand in the role's unit)
+    correction: float = 1.0                           # capacity factor: real / modelled capacity
+
+
+@dataclass
+class _Sized:
+    rec: int
+    reason: str
+    inputs: dict
+
+
+class Autoscaler:
+    """The pool's policy. ``decide`` is called once per tick with the latest snapshot.
+
+    Args:
+        spec: the pool's :class:`~tandem.operator.spec.InferencePoolSpec`.
+        calibration: the performance model (:class:`~tandem.worker.bench.calibration.Calibration`); without
+            one the policy sizes from latency alone (HPA's proportional rule on the SLO metric) and from
+            the throughput per replica it observes.
+        startup_s: how far ahead to forecast demand: a replica's start-up time (seconds).
+        forecast_window_s: the span the linear trend is fitted over (seconds).
+        correction_alpha: weight of each new observation in the latency correction (0..1).
+        headroom: the fraction of the SLO capacity the demand sizing plans to use (0..1]; the rest absorbs
+            noise between ticks.
+        catch_up_s: prefill sizes to drain its backlog within this many seconds of new replicas being
+            ready (see ``_catch_up``).
+    """
+
+    def __init__(self, spec, calibration=None, *, startup_s: float = 120.0, forecast_window_s: float = 180.0,
+                 correction_alpha: float = 0.2, headroom: float = 0.8, catch_up_s: float = 60.0):
+        self.spec = spec
+        self.perf = PerfModel.of(calibration)
+        self.startup_s = float(startup_s)
+        self.forecast_window_s = float(forecast_window_s)
+        self.correction_alpha = float(correction_alpha)
+        self.headroom = float(headroom)
+        self.catch_up_s = float(catch_up_s)
+        self.limits = {"prefill": RoleLimits.of(spec.prefill, 1.0), "decode": RoleLimits.of(spec.decode, 0.1)}
+        pa = spec.autoscaling
+        self.scale_to_zero = bool(pa.scaleToZero)
+        self.advisory = pa.mode == "advisory"
+        self.ratio = (pa.ratio.min, pa.ratio.max) if pa.ratio is not None else None
+        self.budget = pa.gpuBudget
+        self.state = {r: _RoleState() for r in ROLES}
+        self.last: Optional[Decision] = None
+
+    # ------------------------------------------------------------------------------------------
+    def decide(self, snapshot: PoolSnapshot) -> Decision:
+        """The decision for this tick. Deterministic given the sequence of snapshots."""
+        at = snapshot.at
+        wake = snapshot.router_queued > 0 and any(snapshot.role(r).replicas == 0 for r in ROLES)
+        sized = {r: self._size(r, snapshot, wake) for r in ROLES}
+        decisions = {}
+        for r in ROLES:
+            rs, lim, st = snapshot.role(r), self.limits[r], self.state[r]
+            cur = rs.replicas
+            s = sized[r]
+            if not lim.enabled:
+                decisions[r] = RoleDecision(r, cur, lim.min, s.rec, rs.signal,
+                                            f"autoscaling is off: {lim.min} replicas", None, s.inputs)
+                continue
+            if not st.recs and lim.down_window > 0:
+                # the first decision: as if the current count had been recommended until now, so that a
+                # restarted autoscaler does not drop a serving pool before its window has seen anything
+                st.recs.append((at - lim.down_window, cur))
+            st.recs.append((at, s.rec))
+            horizon = max(lim.up_window, lim.down_window, lim.up_period, lim.down_period) + 1
+            while st.recs and st.recs[0][0] < at - horizon:
+                st.recs.popleft()
+            desired, limited = self._behave(r, cur, s.rec, at, rs, wake)
+            decisions[r] = RoleDecision(r, cur, desired, s.rec, rs.signal, s.reason, limited, s.inputs)
+
+        priority = self._pool_bounds(decisions, snapshot)
+        if snapshot.rolling_out:
+            for d in decisions.values():
+                if d.desired != d.current:
+                    d.reason += f"; held at {d.current}: the last change is still rolling out"
+                    d.desired, d.limited_by = d.current, "rollout"
+        for r in ROLES:
+            d = decisions[r]
+            if d.delta != 0:
+                self.state[r].events.append((at, d.delta))
+        absorb = self._absorb(snapshot, decisions)
+        self.last = Decision(at, decisions["prefill"], decisions["decode"], absorb, self.advisory, priority)
+        return self.last
+
+    # ------------------------------------------------------------------------------------------
+    def _size(self, role: str, snap: PoolSnapshot, wake: bool) -> _Sized:
+        rs, lim, st = snap.role(role), self.limits[role], self.state[role]
+        cur = rs.replicas
+        floor = lim.min
+        if wake and cur == 0:
+            return _Sized(max(1, floor), f"woken: {snap.router_queued} requests queued at the router with no "
+                                         f"{role} replica", {"router_queued": snap.router_queued})
+        if rs.signal == "no_data":
+            return _Sized(max(cur, floor), f"no data (failed, absent or stale scrape): holding {max(cur, floor)}",
+                          {})
+        if rs.signal == "idle" or (rs.arrivals_per_s <= 0 and rs.running <= 0 and rs.waiting <= 0):
+            to = floor if (self.scale_to_zero or floor > 0) else max(floor, 1)
+            return _Sized(to, f"idle (the scrape answered, nothing arrived): down to {to}", {"idle": True})
+
+        target = lim.target
+        demand, model, inputs = self._demand(role, snap)
+        # forecast one start-up ahead: a linear trend over the recent window, never below the present
+        st.demand.append((snap.at, demand))
+        while st.demand and st.demand[0][0] < snap.at - self.forecast_window_s:
+            st.demand.popleft()
+        level, forecast = self._forecast(st.demand, snap.at + self.startup_s, demand)
+        need = urgent = None
+        if model is not None:
+            self._learn(role, snap, model(demand), model(demand * 1.25))
+            # up on the window's own demand (or its trend), down only as far as the smoothed level
+            # allows: one noisy window can add a replica but not take one away
+            catch = self._catch_up(role, rs, demand, inputs)
+            need = min(lim.max * 4, model(max(forecast, demand) + catch))
+            smooth = min(lim.max * 4, model(max(forecast, level)))
+            if need < cur:
+                need = min(cur, max(need, smooth))
+            urgent = need
+        inputs.update(demand=round(demand, 4), level=round(level, 4), forecast=round(forecast, 4), target=target,
+                      capacity_factor=round(st.correction, 3), need=need)
+        lat = rs.latency
+        if lat is None or (isinstance(lat, float) and math.isnan(lat)):
+            rec = max(need if need is not None else cur, cur if rs.waiting > 0 else 0)
+            return _Sized(rec, f"no latency yet; demand {demand:.3g} needs {rec}", inputs)
+        ratio = lat / target
+        inputs.update(observed=round(lat, 4), ratio=round(ratio, 3))
+        if ratio > 1 + lim.tolerance:
+            # HPA's proportional rule on the ready replicas; starting ones are the capacity on the way
+            prop = math.ceil(max(rs.ready, 1) * min(ratio, 2.0) - 1e-9)
+            rec = max(cur, prop, urgent or 0)
+            if rec == cur and rs.starting == 0 and rs.waiting > 0:
+                rec = cur + 1
+            return _Sized(rec, f"{self._metric(role)} {lat:.3g}s above target {target:.3g}s (x{ratio:.2f}); "
+                               f"{rec} replicas", inputs)
+        if ratio >= 1 - lim.tolerance:
+            rec = max(cur, need) if need is not None else cur
+            why = "within the tolerance band" + (f", forecast needs {rec}" if rec > cur else "")
+            return _Sized(rec, f"{self._metric(role)} {lat:.3g}s vs target {target:.3g}s {why}", inputs)
+        rec = need if need is not None else max(1, math.ceil(rs.ready * ratio / (1 - lim.tolerance / 2)))
+        return _Sized(rec, f"{self._metric(role)} {lat:.3g}s below target {target:.3g}s; demand "
+                           f"{forecast:.3g} (forecast) needs {rec}", inputs)
+
+    @staticmethod
+    def _metric(role: str) -> str:
+        return "p90 TTFT" if role == "prefill" else "p90 TPOT"
+
+    def _demand(self, role: str, snap: PoolSnapshot):
+        """(demand, replicas-needed function of a demand or None without a model, inputs).
+
+        prefill: demand in erlangs (arrivals/s x the calibrated service of the mean prompt), sized as one
+        M/G/c queue (plus a catch-up load for its backlog, ``_catch_up``); decode: output
+        tokens/s (plus the queued sequences' tokens over a start-up time), over the tokens/s one replica
+        generates at the SLO. Both scaled by the capacity factor learned online."""
+        rs, st, lim = snap.role(role), self.state[role], self.limits[role]
+        pre, dec = snap.prefill, snap.decode
+        prompt = pre.prompt_tokens_per_s / pre.arrivals_per_s if pre.arrivals_per_s > 0 else 0.0
+        output = dec.output_tokens_per_s / dec.arrivals_per_s if dec.arrivals_per_s > 0 else 0.0
+        phi = st.correction * self.headroom
+        if self.perf is None:
+            # no model: the throughput each ready replica carries now, scaled by the latency headroom
+            load = rs.arrivals_per_s if role == "prefill" else rs.output_tokens_per_s
+            lat = rs.latency
+            if rs.ready > 0 and lat and lat > 0 and not math.isnan(lat) and load > 0:
+                per = load / rs.ready * min(2.0, lim.target / lat)
+                return load, (lambda x: max(1, math.ceil(x / (per * self.headroom) - 1e-9))), \
+                    {"unit": "requests/s" if role == "prefill" else "tokens/s", "per_replica": round(per, 4)}
+            return load, None, {}
+        if role == "prefill":
+            s = self.perf.remote_prefill_seconds(max(prompt, 1.0))
+            demand = rs.arrivals_per_s * s
+            most = lim.max * 4
+
+            def need(x):
+                return self.perf.prefill_replicas(x / phi, s, lim.target, most) if x > 0 else 0
+            return demand, need, {"unit": "erlangs", "mean_prompt_tokens": round(prompt, 1), "service_s": round(s, 4)}
+        ctx = prompt + output / 2
+        most = lim.max * 4
+
+        def need_d(x):
+            return self.perf.decode_replicas(x / phi, ctx, lim.target, most) if x > 0 else 0
+        backlog = rs.waiting * max(output, 1.0) / self.startup_s
+        slots, _ = self.perf.decode_slots(lim.target, ctx)
+        return rs.output_tokens_per_s + backlog, need_d, {"unit": "tokens/s", "context_tokens": round(ctx, 1),
+                                                          "slots_per_replica": round(slots, 3)}
+
+    def _catch_up(self, role: str, rs: RoleSnapshot, demand: float, inputs: dict) -> float:
+        """Prefill's extra load (erlangs) to drain, within ``catch_up_s`` of the new replicas being ready,
+        the backlog that will have built by then: the work queued now plus what the ready replicas
+        cannot serve (demand above one erlang each) for one start-up time (after Flink's autoscaler,
+        which sizes for a catch-up duration). The router sends each prompt to the least-loaded worker, so
+        new replicas share the backlog's waiting: it drains at (ready - demand) erlangs. Decode builds no
+        queue (its sequences batch and slow down), so it has none."""
+        if role != "prefill" or self.perf is None or demand <= 0:
+            return 0.0
+        s = inputs.get("service_s", 0.0)
+        backlog = rs.waiting * s + max(0.0, demand - rs.ready) * self.startup_s
+        catch = backlog / self.catch_up_s
+        if catch > 0:
+            inputs["catch_up"] = round(catch, 3)
+        return catch
+
+    def _learn(self, role: str, snap: PoolSnapshot, planned: int, tight: int) -> None:
+        """Correct the capacity factor from a steady window (replicas all ready, none draining, traffic
+        flowing, a latency measured) in which the model's view can be checked: above the band while the
+        model said the ready replicas suffice (``planned`` <= ready), capacity was overrated (-10%); well
+        below the target (< 0.75) while the model said the count is tight (25% more load would need more
+        replicas: ``tight`` > ready), it was underrated (+2%, a slow probe paced by the scale-down
+        window). Low latency at low load says nothing about capacity, so it teaches nothing."""
+        rs, st, lim = snap.role(role), self.state[role], self.limits[role]
+        lat = rs.latency
+        if (rs.signal != "ok" or rs.starting or rs.draining or rs.ready <= 0 or lat is None
+                or math.isnan(lat) or rs.arrivals_per_s <= 0):
+            return
+        ratio = lat / lim.target
+        if ratio > 1 + lim.tolerance and planned <= rs.ready:
+            st.correction = max(0.3, st.correction * 0.9)
+        elif ratio < 0.75 and tight > rs.ready:
+            st.correction = min(3.0, st.correction * 1.02)
+
+    @staticmethod
+    def _forecast(hist: deque, when: float, now_value: float) -> tuple[float, float]:
+        """(level, forecast) of the demand: a least-squares line through the recent window gives the
+        level now (the noise of one window averaged out) and, when its slope is significant (t > 2)
+        and rising, the value at ``when``, capped at 1.25x the level (a trend, not a burst)."""
+        n = len(hist)
+        if n < 4:
+            return now_value, now_value
+        ts = [t for t, _ in hist]
+        vs = [v for _, v in hist]
+        mt, mv = sum(ts) / n, sum(vs) / n
+        var = sum((t - mt) ** 2 for t in ts)
+        if var <= 0:
+            return now_value, now_value
+        slope = sum((t - mt) * (v - mv) for t, v in zip(ts, vs)) / var
+        level = max(0.0, mv + slope * (ts[-1] - mt))
+        resid = sum((v - (mv + slope * (t - mt))) ** 2 for t, v in zip(ts, vs)) / max(1, n - 2)
+        se = math.sqrt(resid / var) if resid > 0 else 0.0
+        if slope <= 0 or (se > 0 and slope / se < 2):
+            return level, level
+        return level, min(1.25 * max(level, 1e-9), level + slope * (when - ts[-1]))
+
+    # ------------------------------------------------------------------------------------------
+    def _behave(self, role: str, cur: int, rec: int, at: float, rs: RoleSnapshot, wake: bool
+                ) -> tuple[int, Optional[str]]:
+        """HPA's behavior: stabilization windows, step limits per period, then min and max."""
+        lim, st = self.limits[role], self.state[role]
+        lo = 0 if (self.scale_to_zero and lim.min == 0) else lim.min
+        limited = None
+        if rs.signal == "no_data":
+            return max(cur, lim.min), ("minReplicas" if cur < lim.min else None)
+        want = rec
+        if want > cur:
+            window = [r for t, r in st.recs if t >= at - lim.up_window]
+            stab = max(cur, min(window)) if window else want
+            if stab < want:
+                want, limited = stab, "stabilization"
+            used = sum(d for t, d in st.events if d > 0 and t > at - lim.up_period)
+            room = max(0, lim.up_step - used)
+            if wake and cur == 0:
+                room = max(room, 1)
+            if want > cur + room:
+                want, limited = cur + room, "maxStep"
+        elif want < cur:
+            window = [r for t, r in st.recs if t >= at - lim.down_window]
+            stab = min(cur, max(window)) if window else want
+            if stab > want:
+                want, limited = stab, "stabilization"
+            used = -sum(d for t, d in st.events if d < 0 and t > at - lim.down_period)
+            room = max(0, lim.down_step - used)
+            if want < cur - room:
+                want, limited = cur - room, "maxStep"
+        if want < lo:
+            want, limited = lo, "minReplicas"
+        if want > lim.max:
+            want, limited = lim.max, "maxReplicas"
+        return want, limited
+
+    def _pool_bounds(self, d: dict, snap: PoolSnapshot) -> Optional[str]:
+        """Apply the ratio band and the GPU budget to both desired counts together; returns the priority
+        sentence when the budget binds."""
+        p, q = d["prefill"], d["decode"]
+        lp, lq = self.limits["prefill"], self.limits["decode"]
+        want_p, want_q = p.desired, q.desired
+        priority = None
+        if self.ratio is not None and want_p > 0 and want_q > 0:
+            rmin, rmax = self.ratio
+            if want_p < rmin * want_q:
+                np_ = min(lp.max, math.ceil(rmin * want_q - 1e-9))
+                if np_ != want_p:
+                    p.reason += f"; raised to {np_} for the ratio band (>= {rmin:g} x decode)"
+                    want_p, p.limited_by = np_, "ratio"
+            elif want_p > rmax * want_q:
+                nq = min(lq.max, math.ceil(want_p / rmax - 1e-9))
+                if nq != want_q:
+                    q.reason += f"; raised to {nq} for the ratio band (prefill <= {rmax:g} x decode)"
+                    want_q, q.limited_by = nq, "ratio"
+        if self.budget is not None:
+            gp, gq = lp.gpus, lq.gpus
+            if want_p * gp + want_q * gq > self.budget:
+                # decode first (see module docs), prefill gets what is left, each at least its minimum
+                min_p = 0 if (self.scale_to_zero and lp.min == 0) else lp.min
+                nq = max(lq.min, min(want_q, (self.budget - min_p * gp) // gq))
+                np_ = max(min_p, min(want_p, (self.budget - nq * gq) // gp))
+                if self.ratio is not None and np_ > 0 and nq > 0 and np_ < self.ratio[0] * nq:
+                    # keep the band where the budget allows: the fewest decode replicas the prefill count
+                    # supports within it
+                    nq = max(lq.min, min(nq, math.floor(np_ / self.ratio[0] + 1e-9)))
+                    np_ = max(min_p, min(want_p, (self.budget - nq * gq) // gp))
+                priority = (f"decode: the GPU budget ({self.budget}) cannot hold {want_p} prefill + {want_q} "
+                            f"decode replicas; decode keeps {nq} (a TPOT shortfall slows every running "
+                            f"sequence and nothing else can take it), prefill gets {np_} (its overflow can "
+                            "be prefilled on decode replicas)")
+                if np_ != want_p:
+                    p.reason += f"; cut to {np_} by the GPU budget"
+                    want_p, p.limited_by = np_, "gpuBudget"
+                if nq != want_q:
+                    q.reason += f"; cut to {nq} by the GPU budget"
+                    want_q, q.limited_by = nq, "gpuBudget"
+        p.desired, q.desired = want_p, want_q
+        return priority
+
+    def _absorb(self, snap: PoolSnapshot, d: dict) -> bool:
+        """Whether the router should prefill on decode replicas until the next tick (TokenScale)."""
+        pre, dec = snap.prefill, snap.decode
+        lp, lq = self.limits["prefill"], self.limits["decode"]
+        if pre.signal != "ok" or dec.signal != "ok" or dec.ready == 0:
+            return False
+        short = d["prefill"].recommended > pre.ready
+        breaking = (pre.latency is not None and not math.isnan(pre.latency) and pre.latency > lp.target) \
+            or pre.waiting > pre.ready
+        dec_ok = dec.latency is None or math.isnan(dec.latency) or dec.latency < lq.target * (1 - lq.tolerance)
+        return bool(short and breaking and dec_ok)

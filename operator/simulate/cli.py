@@ -1,0 +1,177 @@
+"""``tandem simulate``: replay a trace against a pool's policy and the baselines on a simulated clock.
+
+    tandem simulate --pool MANIFEST --trace TRACE --calibration FILE [--policy NAME|all] [--json] [--plot PNG]
+    tandem simulate --scenario step [--seed 0] [--write-trace T.jsonl] [--write-pool POOL.yaml] ...
+
+The SLOs are the manifest's targets (prefill TTFT, decode TPOT). Baselines' knobs: those tuned for the
+scenario a trace names in its header (operator/simulate/tuned.json), else each one's defaults; the
+static fleet is the best one in hindsight on this trace (the fewest replicas meeting the SLOs).
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+
+def _plot(runs: dict, targets: dict, path: str, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from tandem.operator.simulate.run import _windows
+    fig, axes = plt.subplots(4, 1, figsize=(11, 11), sharex=True)
+    for name, (_, fleet) in runs.items():
+        t = np.array([x["t"] for x in fleet.timeline]) / 60
+        axes[0].step(t, [x["prefill"] for x in fleet.timeline], where="post", label=name)
+        axes[1].step(t, [x["decode"] for x in fleet.timeline], where="post", label=name)
+        ft = np.array([r.first_token for r in fleet.requests])
+        tt = np.array([r.ttft for r in fleet.requests])
+        fin = np.array([r.finish for r in fleet.requests])
+        tp = np.array([r.tpot for r in fleet.requests])
+        ok, okp = ~np.isnan(ft), ~np.isnan(tp)
+        end = max(fleet.duration, float(np.nanmax(fin)) if okp.any() else fleet.duration)
+        w1, w2 = _windows(ft[ok], tt[ok], end), _windows(fin[okp], tp[okp], end)
+        axes[2].plot(np.arange(w1.size) + 0.5, w1, marker=".", label=name)
+        axes[3].plot(np.arange(w2.size) + 0.5, w2, marker=".", label=name)
+    axes[2].axhline(targets["prefill"], color="k", ls="--", lw=1, label="target")
+    axes[3].axhline(targets["decode"], color="k", ls="--", lw=1, label="target")
+    for ax, lab in zip(axes, ("prefill replicas", "decode replicas", "p90 TTFT per minute (s)",
+                              "p90 TPOT per minute (s)")):
+        ax.set_ylabel(lab)
+        ax.grid(alpha=0.3)
+    axes[0].legend(ncol=6, fontsize=8)
+    axes[3].set_xlabel("simulated minutes")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def _simulate(args) -> int:
+    import yaml
+
+    from tandem.operator.autoscaler.capacity import PerfModel
+    from tandem.operator.autoscaler.policy import gpus_per_replica
+    from tandem.operator.simulate import run as R
+    from tandem.operator.simulate import scenarios as S
+    from tandem.operator.spec import SpecError, load_manifest
+    from tandem.worker.bench.calibration import Calibration
+    from tandem.worker.bench.trace import read_trace, write_trace
+
+    try:
+        cal = Calibration.load(args.calibration)
+        perf = PerfModel.of(cal)
+        steady: list = []
+        if args.scenario:
+            sc = S.build(args.scenario, perf, args.seed)
+            header, records = {"params": sc.params}, sc.records
+            pool = load_manifest(S.manifest(sc))
+            steady = sc.steady
+            if args.write_trace:
+                write_trace(args.write_trace, args.scenario, sc.params, records)
+            if args.write_pool:
+                Path(args.write_pool).write_text(yaml.safe_dump(S.manifest(sc), sort_keys=False))
+        else:
+            if not (args.pool and args.trace):
+                raise ValueError("give --pool and --trace, or --scenario")
+            pool = load_manifest(args.pool)
+            header, records = read_trace(args.trace)
+        if not records:
+            raise ValueError("the trace has no requests")
+        spec = pool.spec
+        targets = {}
+        for role, metric in (("prefill", "ttft"), ("decode", "tpot")):
+            a = getattr(spec, role).autoscaling
+            if a is None or a.target is None:
+                raise ValueError(f"spec.{role}.autoscaling.target ({metric}) is needed: it is the SLO the "
+                                 "simulation measures")
+            targets[role] = a.target.seconds
+        gpus = {r: gpus_per_replica(getattr(spec, r)) for r in ("prefill", "decode")}
+        names = list(R.POLICIES) if args.policy == "all" else [args.policy]
+        for n in names:
+            if n not in R.POLICIES:
+                raise ValueError(f"unknown policy {n!r} (one of {', '.join(R.POLICIES)}, all)")
+    except (OSError, ValueError, SpecError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    duration = float(header.get("params", {}).get("duration") or records[-1]["timestamp"])
+    scenario = header.get("params", {}).get("scenario")
+    tuned = R.load_tuned().get(scenario, {}) if scenario else {}
+    minutes = S.minute_loads(records, duration)
+
+    def one(name, knobs):
+        pol = R.make_policy(name, spec, perf, cal, targets, minutes, knobs)
+        if name == "static":
+            initial = dict(pol.counts)
+        else:
+            from tandem.operator.simulate.baselines import Oracle
+            initial = Oracle(perf, targets, minutes).need(minutes[0])
+        fleet = R.simulate(pol, records, perf, targets, initial, duration, startup_s=args.startup, gpus=gpus,
+                           tick_s=args.tick)
+        m = R.summarize(fleet, targets, steady, duration)
+        m["policy"], m["knobs"] = name, knobs or {}
+        return m, fleet
+
+    runs = {}
+    for n in names:
+        knobs = tuned.get(n)
+        if n == "static" and knobs is None:
+            knobs = _best_static(one)
+        runs[n] = one(n, knobs)
+    out = {"trace": {"requests": len(records), "duration_s": duration, "scenario": scenario},
+           "targets": {"ttft_p90_s": targets["prefill"], "tpot_p90_s": targets["decode"]},
+           "startup_s": args.startup, "results": {n: m for n, (m, _) in runs.items()},
+           "decisions": {n: [d.to_dict() for d in f.decisions] for n, (_, f) in runs.items()}
+           if args.decisions else None}
+    if args.json:
+        print(json.dumps(out, indent=2, default=float))
+    else:
+        print(R.format_table({scenario or Path(args.trace or "trace").name: out["results"]}))
+    if args.plot:
+        _plot(runs, targets, args.plot, f"{scenario or args.trace}: replicas and p90 latency")
+    return 0
+
+
+def _best_static(one, most: int = 16) -> dict:
+    """The fewest replicas per role meeting the SLOs on this trace (hindsight), each role bisected."""
+    def least(role):
+        def ok(k):
+            counts = {"prefill": most, "decode": most, role: k}
+            m, _ = one("static", counts)
+            return m["attainment_ttft" if role == "prefill" else "attainment_tpot"] >= 0.95
+        lo, hi = 1, most
+        if not ok(hi):
+            return most
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if ok(mid) else (mid + 1, hi)
+        return lo
+    return {"prefill": least("prefill"), "decode": least("decode")}
+
+
+def add_simulate_command(sub) -> None:
+    """Register ``tandem simulate`` on the top-level subparsers."""
+    from tandem.operator.simulate.run import POLICIES
+    from tandem.operator.simulate.scenarios import NAMES, STARTUP_S
+    s = sub.add_parser("simulate", help="replay a trace against the autoscaling policy and its baselines "
+                                        "on a simulated fleet")
+    s.add_argument("--pool", help="the InferencePool manifest (its targets are the SLOs)")
+    s.add_argument("--trace", help="a trace (JSON Lines, as `tandem bench trace` writes)")
+    s.add_argument("--calibration", default=str(Path(__file__).resolve().parents[2]
+                                                / "bench/calibrations/smollm2-cpu.yaml"),
+                   help="the performance model (tandem bench calibrate); default: the committed SmolLM2 one")
+    s.add_argument("--scenario", choices=NAMES, help="one of the fixed scenarios instead of --pool/--trace")
+    s.add_argument("--seed", type=int, default=0, help="--scenario: the trace's seed")
+    s.add_argument("--write-trace", help="--scenario: also write its trace here")
+    s.add_argument("--write-pool", help="--scenario: also write its pool manifest here")
+    s.add_argument("--policy", default="all", help=f"one of {', '.join(POLICIES)}, or all (default)")
+    s.add_argument("--startup", type=float, default=STARTUP_S, help="replica start-up time (s)")
+    s.add_argument("--tick", type=float, default=15.0, help="the policy's period (s)")
+    s.add_argument("--json", action="store_true", help="print the results as JSON")
+    s.add_argument("--decisions", action="store_true", help="--json: include every decision")
+    s.add_argument("--plot", help="write replicas and p90 latency over time to this PNG")
+    s.set_defaults(func=_simulate)

@@ -1,0 +1,295 @@
+"""One simulation run end to end (trace + pool + calibration + policy -> metrics), the baselines' tuning,
+and the table of every policy on every scenario.
+
+Metrics (docs/autoscaler.md, "The simulator"):
+- attainment (TTFT, TPOT): the share of 60-s windows of the run (with requests in them) whose p90 meets
+  the target, the SLO being a p90; ``request_share`` gives the share of single requests under target.
+- goodput: requests/s meeting both targets (DistServe's definition).
+- GPU-hours: every replica from creation (start-up included) to gone, times its GPUs.
+- actions: decisions that changed a role's count; direction changes: up after down or down after up;
+  ``flaps_per_10min``: the most direction changes of a role within any 10 simulated minutes inside the
+  scenario's steady spans.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from tandem.operator.autoscaler.capacity import PerfModel
+from tandem.operator.autoscaler.policy import Autoscaler
+from tandem.operator.simulate import baselines as B
+from tandem.operator.simulate import scenarios as S
+from tandem.operator.simulate.fleet import ROLES, Fleet
+
+POLICIES = ("tandem", "static", "hpa-queue", "dynamo", "apa", "oracle")
+#: Each baseline's knob grid (tuned on seed 1, per scenario).
+GRIDS = {
+    "hpa-queue": [{"prefill_q": p, "decode_q": d} for p in (0.5, 1.0, 2.0) for d in (0.25, 0.5, 1.0)],
+    "dynamo": [{"scale": s} for s in (0.15, 0.2, 0.3, 0.5, 0.7)],
+    "apa": [{"fraction": f} for f in (0.5, 0.6, 0.7, 0.85)],
+    "oracle": [{"utilization": u} for u in (1.0, 1.25, 1.5, 2.0)],
+}
+TUNED_FILE = Path(__file__).with_name("tuned.json")
+ATTAINMENT_AIM = 0.95
+
+
+def make_policy(name: str, spec, perf: PerfModel, calibration, targets: dict, minutes: list,
+                knobs: Optional[dict] = None, max_replicas: int = 16):
+    """A policy object by name. Raises ValueError for an unknown name."""
+    k = dict(knobs or {})
+    if name == "tandem":
+        return Autoscaler(spec, calibration, startup_s=S.STARTUP_S)
+    if name == "static":
+        return B.Static(**(k or {"prefill": 6, "decode": 6}))
+    if name == "hpa-queue":
+        return B.HPAQueue(**{"prefill_q": 1.0, "decode_q": 0.5, **k}, max_replicas=max_replicas)
+    if name == "dynamo":
+        return B.DynamoPlanner(perf, targets, **k, max_replicas=max_replicas)
+    if name == "apa":
+        return B.APA(targets, **k, max_replicas=max_replicas)
+    if name == "oracle":
+        return B.Oracle(perf, targets, minutes, **k, max_replicas=max_replicas)
+    raise ValueError(f"unknown policy {name!r} (one of {', '.join(POLICIES)})")
+
+
+def simulate(policy, records: list, perf: PerfModel, targets: dict, initial: dict, duration: float,
+             startup_s: float = S.STARTUP_S, gpus: Optional[dict] = None, tick_s: float = 15.0) -> Fleet:
+    return Fleet(perf, policy, records, initial, startup_s=startup_s, tick_s=tick_s, targets=targets,
+                 gpus=gpus, duration=duration).run()
+
+
+def _windows(t: np.ndarray, v: np.ndarray, end: float, width: float = 60.0) -> np.ndarray:
+    """p90 of v per window of completion time t (NaN where a window is empty)."""
+    n = int(math.ceil(end / width))
+    out = np.full(n, np.nan)
+    idx = np.minimum((t // width).astype(int), n - 1)
+    for w in range(n):
+        sel = v[idx == w]
+        if sel.size:
+            out[w] = np.percentile(sel, 90)
+    return out
+
+
+def _direction_changes(deltas: list[tuple[float, int]]) -> list[float]:
+    """Times at which a role's scaling direction flipped."""
+    out, last = [], 0
+    for t, d in deltas:
+        s = (d > 0) - (d < 0)
+        if s and last and s != last:
+            out.append(t)
+        if s:
+            last = s
+    return out
+
+
+def summarize(fleet: Fleet, targets: dict, steady: list, duration: float) -> dict:
+    """The run's metrics (see module docs)."""
+    reqs = fleet.requests
+    ft = np.array([r.first_token for r in reqs])
+    ttft = np.array([r.ttft for r in reqs])
+    fin = np.array([r.finish for r in reqs])
+    tpot = np.array([r.tpot for r in reqs])
+    done = ~np.isnan(fin)
+    end = max(duration, float(np.nanmax(fin)) if done.any() else duration)
+    w_ttft = _windows(ft[~np.isnan(ft)], ttft[~np.isnan(ft)], end)
+    has_tpot = ~np.isnan(tpot)
+    w_tpot = _windows(fin[has_tpot], tpot[has_tpot], end)
+    att_ttft = float(np.mean(w_ttft[~np.isnan(w_ttft)] <= targets["prefill"] + 1e-12))
+    att_tpot = float(np.mean(w_tpot[~np.isnan(w_tpot)] <= targets["decode"] + 1e-12))
+    ok = (ttft <= targets["prefill"]) & (np.isnan(tpot) | (tpot <= targets["decode"]))
+    gpu_s = sum((min(r.gone_at, fleet.end) - r.created) * fleet.gpus[r.role] for r in fleet.replicas)
+    out = {"requests": len(reqs), "finished": int(done.sum()),
+           "attainment_ttft": round(att_ttft, 4), "attainment_tpot": round(att_tpot, 4),
+           "request_share_ttft": round(float(np.mean(ttft <= targets["prefill"])), 4),
+           "request_share_tpot": round(float(np.mean(tpot[has_tpot] <= targets["decode"])), 4),
+           "p90_ttft": round(float(np.nanpercentile(ttft, 90)), 4),
+           "p90_tpot": round(float(np.nanpercentile(tpot, 90)), 4),
+           "goodput_rps": round(float(ok.sum()) / duration, 4),
+           "gpu_hours": round(gpu_s / 3600.0, 4),
+           "local_prefills": int(sum(r.local for r in reqs))}
+    for role in ROLES:
+        deltas = [(d.at, d.role(role).delta) for d in fleet.decisions if d.role(role).delta != 0]
+        flips = _direction_changes(deltas)
+        worst = 0
+        for a, b in steady:
+            for t0 in np.arange(a, max(a, b - 600.0) + 1e-9, 15.0):
+                worst = max(worst, sum(1 for t in flips if t0 <= t < t0 + 600.0 and t < b))
+        counts = [x[role] for x in fleet.timeline]
+        out[role] = {"actions": len(deltas), "direction_changes": len(flips), "flaps_per_10min": worst,
+                     "mean_replicas": round(float(np.mean(counts)), 3), "max_replicas": int(max(counts))}
+    return out
+
+
+def run_one(name: str, sc: S.Scenario, perf: PerfModel, calibration, knobs: Optional[dict] = None,
+            spec=None) -> tuple[dict, Fleet]:
+    """(metrics, fleet) of one policy on one scenario."""
+    from tandem.operator.spec import load_manifest
+    spec = spec or load_manifest(S.manifest(sc)).spec
+    minutes = S.minute_loads(sc.records)
+    pol = make_policy(name, spec, perf, calibration, sc.targets, minutes, knobs)
+    if name == "static":
+        initial = dict(pol.counts)
+    else:
+        # every autoscaled policy starts from the fleet the first minute's load needs, as if it had been
+        # running before the trace began (else a cold start would dominate the first minutes of every
+        # scenario)
+        initial = B.Oracle(perf, sc.targets, minutes).need(minutes[0])
+    fleet = simulate(pol, sc.records, perf, sc.targets, initial, S.DURATION)
+    m = summarize(fleet, sc.targets, sc.steady, S.DURATION)
+    m["policy"], m["knobs"] = name, knobs or {}
+    return m, fleet
+
+
+def meets(m: dict) -> bool:
+    return m["attainment_ttft"] >= ATTAINMENT_AIM and m["attainment_tpot"] >= ATTAINMENT_AIM
+
+
+def _best(results: list[dict]) -> dict:
+    """The cheapest setting meeting the SLOs; when none does, the one with the best attainment."""
+    good = [m for m in results if meets(m)]
+    if good:
+        return min(good, key=lambda m: m["gpu_hours"])
+    return max(results, key=lambda m: (min(m["attainment_ttft"], m["attainment_tpot"]), -m["gpu_hours"]))
+
+
+def tune_static(sc: S.Scenario, perf: PerfModel, calibration, most: int = 16) -> dict:
+    """The fewest replicas per role meeting the SLOs (each role bisected with the other role ample)."""
+    def ok(p, d, role):
+        m, _ = run_one("static", sc, perf, calibration, {"prefill": p, "decode": d})
+        key = "attainment_ttft" if role == "prefill" else "attainment_tpot"
+        return m[key] >= ATTAINMENT_AIM
+
+    def least(role):
+        lo, hi = 1, most
+        if not ok(*((hi, most) if role == "prefill" else (most, hi)), role):
+            return most
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if ok(*((mid, most) if role == "prefill" else (most, mid)), role):
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+    return {"prefill": least("prefill"), "decode": least("decode")}
+
+
+def tune(name: str, sc: S.Scenario, perf: PerfModel, calibration) -> dict:
+    """A baseline's knobs for a scenario (pass the tuning seed's scenario)."""
+    if name == "static":
+        return tune_static(sc, perf, calibration)
+    if name not in GRIDS:
+        return {}
+    results = [run_one(name, sc, perf, calibration, k)[0] for k in GRIDS[name]]
+    return _best(results)["knobs"]
+
+
+def tune_all(perf: PerfModel, calibration, seed: int = 1, names=S.NAMES) -> dict:
+    """{scenario: {policy: knobs}} on the tuning seed."""
+    out = {}
+    for n in names:
+        sc = S.build(n, perf, seed)
+        out[n] = {p: tune(p, sc, perf, calibration) for p in POLICIES if p != "tandem"}
+    return out
+
+
+def load_tuned() -> dict:
+    return json.loads(TUNED_FILE.read_text()) if TUNED_FILE.exists() else {}
+
+
+def table(perf: PerfModel, calibration, tuned: dict, seed: int = 0, names=S.NAMES) -> dict:
+    """{scenario: {policy: metrics}} on the evaluation seed with the tuned knobs."""
+    out = {}
+    for n in names:
+        sc = S.build(n, perf, seed)
+        out[n] = {}
+        for p in POLICIES:
+            m, fleet = run_one(p, sc, perf, calibration, tuned.get(n, {}).get(p))
+            if n in ("prompt-shift", "output-shift"):
+                m["steady_change"] = steady_change(fleet)
+            out[n][p] = m
+    return out
+
+
+def format_table(tab: dict) -> str:
+    """A Markdown table: one row per scenario and policy."""
+    head = ("| scenario | policy | TTFT att. | TPOT att. | p90 TTFT s | p90 TPOT s | goodput req/s | GPU-h | "
+            "prefill mean/max | decode mean/max | actions P/D | dir. changes P/D | flaps/10min P/D |")
+    lines = [head, "|" + "---|" * 13]
+    for n, pols in tab.items():
+        for p, m in pols.items():
+            lines.append(f"| {n} | {p} | {m['attainment_ttft']:.1%} | {m['attainment_tpot']:.1%} | "
+                         f"{m['p90_ttft']:.2f} | {m['p90_tpot']:.3f} | {m['goodput_rps']:.3f} | {m['gpu_hours']:.2f} | "
+                         f"{m['prefill']['mean_replicas']:.1f}/{m['prefill']['max_replicas']} | "
+                         f"{m['decode']['mean_replicas']:.1f}/{m['decode']['max_replicas']} | "
+                         f"{m['prefill']['actions']}/{m['decode']['actions']} | "
+                         f"{m['prefill']['direction_changes']}/{m['decode']['direction_changes']} | "
+                         f"{m['prefill']['flaps_per_10min']}/{m['decode']['flaps_per_10min']} |")
+    return "\n".join(lines)
+
+
+def steady_change(fleet: Fleet, at: float = S.SHIFT_AT, settle: float = 600.0) -> dict:
+    """Per role: the median count over the ``settle`` seconds before the shift and after it has settled
+    (from ``at + settle`` to the end), and the difference."""
+    out = {}
+    for r in ROLES:
+        before = [x[r] for x in fleet.timeline if at - settle <= x["t"] < at]
+        after = [x[r] for x in fleet.timeline if x["t"] >= at + settle]
+        b, a = float(np.median(before)), float(np.median(after))
+        out[r] = {"before": b, "after": a, "change": a - b}
+    return out
+
+
+def _att(m: dict) -> float:
+    return min(m["attainment_ttft"], m["attainment_tpot"])
+
+
+def aims(tab: dict) -> list[dict]:
+    """Issue 10's aims for tandem's policy, each {scenario, aim, ok, detail}, from a table (see table())."""
+    out = []
+
+    def add(sc, aim, ok, detail):
+        out.append({"scenario": sc, "aim": aim, "ok": bool(ok), "detail": detail})
+    failing = {p: [] for p in POLICIES if p not in ("tandem", "oracle")}
+    for sc, pols in tab.items():
+        t, o = pols["tandem"], pols["oracle"]
+        add(sc, "attainment >= 95% (TTFT and TPOT)", meets(t),
+            f"TTFT {t['attainment_ttft']:.1%}, TPOT {t['attainment_tpot']:.1%}")
+        add(sc, "GPU-hours <= 1.2x oracle", t["gpu_hours"] <= 1.2 * o["gpu_hours"] + 1e-9,
+            f"{t['gpu_hours']:.2f} vs {o['gpu_hours']:.2f} (x{t['gpu_hours'] / o['gpu_hours']:.2f})")
+        if sc in ("diurnal", "bursts"):
+            st = pols["static"]
+            add(sc, "GPU-hours <= 0.7x best static", t["gpu_hours"] <= 0.7 * st["gpu_hours"] + 1e-9,
+                f"{t['gpu_hours']:.2f} vs {st['gpu_hours']:.2f} (x{t['gpu_hours'] / st['gpu_hours']:.2f}; static "
+                f"{'meets' if meets(st) else 'misses'} the SLO)")
+        flaps = max(t["prefill"]["flaps_per_10min"], t["decode"]["flaps_per_10min"])
+        add(sc, "<= 2 direction changes per pool per 10 min at steady load", flaps <= 2,
+            f"prefill {t['prefill']['flaps_per_10min']}, decode {t['decode']['flaps_per_10min']}")
+        if "steady_change" in t:
+            ch = t["steady_change"]
+            grow, other = ("prefill", "decode") if sc == "prompt-shift" else ("decode", "prefill")
+            oc = o.get("steady_change", {})
+            add(sc, f"{grow} grows, {other} changes by <= 1", ch[grow]["change"] > 0 and abs(ch[other]["change"]) <= 1,
+                f"{grow} {ch[grow]['before']:g} -> {ch[grow]['after']:g}, {other} {ch[other]['before']:g} -> "
+                f"{ch[other]['after']:g} (medians; the oracle: {other} {oc[other]['before']:g} -> "
+                f"{oc[other]['after']:g})" if oc else "")
+        for p in failing:
+            b = pols[p]
+            better = (_att(t) > _att(b) and t["gpu_hours"] <= b["gpu_hours"]) or \
+                     (t["gpu_hours"] < b["gpu_hours"] and _att(t) >= _att(b))
+            add(sc, f"beats {p}", better, f"attainment {_att(t):.1%} vs {_att(b):.1%}, GPU-h {t['gpu_hours']:.2f} vs "
+                                          f"{b['gpu_hours']:.2f}")
+            if not meets(b) or b["gpu_hours"] > 1.2 * o["gpu_hours"]:
+                failing[p].append(sc)
+    for p, where in failing.items():
+        add("all", f"{p} fails somewhere (SLO, or GPU-h > 1.2x oracle)", bool(where), ", ".join(where) or "nowhere")
+    return out
+
+
+def format_aims(rows: list[dict]) -> str:
+    lines = ["| scenario | aim | met | detail |", "|---|---|---|---|"]
+    lines += [f"| {r['scenario']} | {r['aim']} | {'yes' if r['ok'] else '**no**'} | {r['detail']} |" for r in rows]
+    return "\n".join(lines)

@@ -1,0 +1,76 @@
+"""Tune the baselines' knobs on seed 1 and write operator/simulate/tuned.json; print the table of every
+policy on every scenario (seed 0) and the issue's aims.
+
+    python -m tandem.operator.simulate.tune [--calibration FILE] [--jobs 2] [--table-only] [--markdown OUT]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+from tandem.operator.autoscaler.capacity import PerfModel
+from tandem.operator.simulate import run as R
+from tandem.operator.simulate import scenarios as S
+from tandem.worker.bench.calibration import Calibration
+
+DEFAULT_CALIBRATION = Path(__file__).resolve().parents[2] / "bench/calibrations/smollm2-cpu.yaml"
+
+
+def _tune_one(args) -> tuple[str, dict]:
+    cal_path, name = args
+    cal = Calibration.load(cal_path)
+    perf = PerfModel.of(cal)
+    sc = S.build(name, perf, 1)
+    return name, {p: R.tune(p, sc, perf, cal) for p in R.POLICIES if p != "tandem"}
+
+
+def _table_one(args) -> dict:
+    cal_path, name, tuned = args
+    cal = Calibration.load(cal_path)
+    return R.table(PerfModel.of(cal), cal, tuned, 0, [name])
+
+
+def tune_all(cal_path, jobs: int = 2) -> dict:
+    """{scenario: {baseline: knobs}} tuned on seed 1, scenarios spread over ``jobs`` processes."""
+    with ProcessPoolExecutor(jobs) as ex:
+        return dict(ex.map(_tune_one, [(str(cal_path), n) for n in S.NAMES]))
+
+
+def table_all(cal_path, tuned: dict, jobs: int = 2) -> dict:
+    """{scenario: {policy: metrics}} on seed 0 with the tuned knobs."""
+    out = {}
+    with ProcessPoolExecutor(jobs) as ex:
+        for d in ex.map(_table_one, [(str(cal_path), n, tuned) for n in S.NAMES]):
+            out.update(d)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tandem.operator.simulate.tune", description=__doc__)
+    ap.add_argument("--calibration", default=str(DEFAULT_CALIBRATION))
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--table-only", action="store_true", help="use the committed tuned.json")
+    ap.add_argument("--markdown", help="also write the table and the aims here (Markdown)")
+    args = ap.parse_args(argv)
+    t0 = time.time()
+    if args.table_only:
+        tuned = R.load_tuned()
+    else:
+        tuned = tune_all(args.calibration, args.jobs)
+        R.TUNED_FILE.write_text(json.dumps(tuned, indent=1, sort_keys=True) + "\n")
+        print(f"tuned in {time.time() - t0:.0f} s -> {R.TUNED_FILE}", file=sys.stderr)
+    tab = table_all(args.calibration, tuned, args.jobs)
+    text = R.format_table(tab) + "\n\n" + R.format_aims(R.aims(tab))
+    print(text)
+    if args.markdown:
+        Path(args.markdown).write_text(text + "\n")
+    print(f"done in {time.time() - t0:.0f} s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

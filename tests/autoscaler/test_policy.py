@@ -1,0 +1,215 @@
+"""The decision function (operator/autoscaler/policy.py) on hand-made snapshots: no fleet, no clock.
+
+Each test drives ``Autoscaler.decide`` with a sequence of snapshots on a made-up clock, as the simulator
+and the operator do."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tandem.operator.autoscaler.policy import Autoscaler
+from tandem.operator.autoscaler.snapshot import PoolSnapshot, RoleSnapshot
+from tandem.operator.spec import InferencePoolSpec
+from tandem.worker.bench.calibration import Calibration
+
+ROOT = Path(__file__).resolve().parents[2]
+CAL = Calibration.load(ROOT / "bench/calibrations/smollm2-cpu.yaml")
+pytestmark = pytest.mark.timeout(60)
+
+TTFT, TPOT = 3.0, 0.09
+
+
+def spec(pre=None, dec=None, pool=None, behavior=None):
+    beh = behavior or {"scaleUp": {"stabilizationWindowSeconds": 0, "maxStep": 4, "periodSeconds": 30},
+                       "scaleDown": {"stabilizationWindowSeconds": 0, "maxStep": 4, "periodSeconds": 30}}
+    a_p = {"enabled": True, "minReplicas": 1, "maxReplicas": 10, "target": {"metric": "ttft", "seconds": TTFT},
+           "behavior": beh, **(pre or {})}
+    a_d = {"enabled": True, "minReplicas": 1, "maxReplicas": 10, "target": {"metric": "tpot", "seconds": TPOT},
+           "behavior": beh, **(dec or {})}
+    return InferencePoolSpec.model_validate({
+        "model": {"name": "m", "source": {"package": "p/f.gguf"}},
+        "prefill": {"autoscaling": a_p}, "decode": {"autoscaling": a_d}, "autoscaling": pool or {}})
+
+
+def role(name, ready, starting=0, signal="ok", arrivals=0.3, prompt=380, output=16, latency=None, waiting=0,
+         running=None):
+    lat = latency if latency is not None else (1.2 if name == "prefill" else 0.06)
+    if signal != "ok":
+        lat = None
+    return RoleSnapshot(name, signal, 30.0, arrivals, arrivals * prompt, arrivals * output,
+                        running if running is not None else arrivals * output * 0.06, waiting, 0.1,
+                        lat, ready, starting)
+
+
+def snap(at, p, d, **kw):
+    return PoolSnapshot(at, p, d, **kw)
+
+
+def steady(a, at, arrivals, pre_ready, dec_ready, pre_lat=None, dec_lat=None, **kw):
+    return a.decide(snap(at, role("prefill", pre_ready, arrivals=arrivals, latency=pre_lat),
+                         role("decode", dec_ready, arrivals=arrivals, latency=dec_lat), **kw))
+
+
+def test_step_up_then_down():
+    a = Autoscaler(spec(), CAL)
+    low = steady(a, 0, 0.05, 2, 2)
+    assert low.prefill.desired <= 2 and low.decode.desired <= 2
+    # five times the load, latency over target: both grow, at once and by more than one
+    high = steady(a, 15, 0.5, 2, 2, pre_lat=2 * TTFT, dec_lat=2 * TPOT)
+    assert high.prefill.desired >= 4 and high.decode.desired >= 4, high
+    assert "above target" in high.prefill.reason
+    assert high.prefill.inputs["ratio"] == pytest.approx(2.0)
+    # back to low load, latency well under target: down (the 0 s window of this spec)
+    p, d = high.prefill.desired, high.decode.desired
+    down = steady(a, 300, 0.05, p, d, pre_lat=1.0, dec_lat=0.06)
+    assert down.prefill.desired < p and down.decode.desired < d
+
+
+def test_noise_inside_band_holds():
+    a = Autoscaler(spec(), CAL)
+    for i, f in enumerate([1.0, 0.95, 1.08, 0.92, 1.05, 0.99]):
+        # latency wobbling within +-10% of target, demand that the current count can carry
+        d = steady(a, 15 * i, 0.1, 4, 4, pre_lat=TTFT * f, dec_lat=TPOT * f)
+        assert d.prefill.desired == 4 and d.decode.desired == 4, (f, d.prefill.reason, d.decode.reason)
+        assert "tolerance band" in d.prefill.reason
+
+
+def test_idle_reaches_min_and_no_data_holds():
+    a = Autoscaler(spec(pre={"minReplicas": 2}), CAL)
+    idle = a.decide(snap(0, role("prefill", 5, signal="idle", arrivals=0), role("decode", 5, signal="idle",
+                                                                                  arrivals=0)))
+    assert idle.prefill.signal == "idle" and idle.decode.signal == "idle"
+    assert idle.prefill.desired == 2 and idle.decode.desired == 1
+    assert "idle" in idle.prefill.reason
+    b = Autoscaler(spec(pre={"minReplicas": 2}), CAL)
+    nod = b.decide(snap(0, role("prefill", 5, signal="no_data"), role("decode", 5, signal="no_data")))
+    assert nod.prefill.signal == "no_data" and nod.prefill.desired == 5 and nod.decode.desired == 5
+    assert "no data" in nod.decode.reason
+    # no data below min: brought up to min, never lower
+    low = b.decide(snap(30, role("prefill", 1, signal="no_data"), role("decode", 0, signal="no_data")))
+    assert low.prefill.desired == 2 and low.decode.desired == 1
+
+
+def test_min_and_max_bound():
+    a = Autoscaler(spec(pre={"maxReplicas": 3}, dec={"maxReplicas": 3}), CAL)
+    d = steady(a, 0, 5.0, 2, 2, pre_lat=5 * TTFT, dec_lat=5 * TPOT)
+    assert d.prefill.desired == 3 and d.prefill.limited_by == "maxReplicas"
+    assert d.prefill.recommended > 3
+    b = Autoscaler(spec(pre={"minReplicas": 3}), CAL)
+    d = steady(b, 0, 0.01, 4, 4, pre_lat=0.5, dec_lat=0.06)
+    assert d.prefill.desired == 3 and d.prefill.limited_by == "minReplicas"
+
+
+def test_ratio_band_and_budget():
+    # the ratio band raises the smaller role
+    a = Autoscaler(spec(pool={"ratio": {"min": 0.5, "max": 2.0}}), CAL)
+    d = a.decide(snap(0, role("prefill", 1, arrivals=0.05, latency=1.0),
+                      role("decode", 6, arrivals=0.05, latency=2 * TPOT)))
+    assert d.decode.desired >= 8
+    assert d.prefill.desired * 2 >= d.decode.desired and d.prefill.limited_by == "ratio"
+    # the budget binds: decode keeps its count, prefill gets the rest, and the decision says why
+    b = Autoscaler(spec(pool={"gpuBudget": 8, "ratio": {"min": 0.25, "max": 4.0}}), CAL)
+    d = steady(b, 0, 3.0, 3, 3, pre_lat=3 * TTFT, dec_lat=3 * TPOT)
+    assert d.prefill.desired + d.decode.desired <= 8
+    assert d.decode.desired >= d.prefill.desired
+    assert d.priority and d.priority.startswith("decode")
+    assert "gpuBudget" in (d.prefill.limited_by, d.decode.limited_by)
+    assert d.prefill.desired >= 0.25 * d.decode.desired
+
+
+def test_starting_replicas_count():
+    a = Autoscaler(spec(), CAL)
+    # 2 ready at twice the target, 3 more already starting: the proportional need (4) is on the way
+    d = a.decide(snap(0, role("prefill", 2, starting=3, arrivals=0.1, latency=2 * TTFT),
+                      role("decode", 2, starting=3, arrivals=0.1, latency=2 * TPOT)))
+    assert d.prefill.current == 5
+    assert d.prefill.desired <= 5 and d.decode.desired <= 5, (d.prefill.reason, d.decode.reason)
+    # the same latency without replicas on the way does scale up
+    b = Autoscaler(spec(), CAL)
+    e = b.decide(snap(0, role("prefill", 2, arrivals=0.1, latency=2 * TTFT),
+                      role("decode", 2, arrivals=0.1, latency=2 * TPOT)))
+    assert e.prefill.desired >= 4 and e.decode.desired >= 4
+
+
+def test_scale_to_zero_and_wake():
+    s = spec(pre={"minReplicas": 0}, dec={"minReplicas": 0}, pool={"scaleToZero": True})
+    a = Autoscaler(s, CAL)
+    d = a.decide(snap(0, role("prefill", 2, signal="idle", arrivals=0), role("decode", 2, signal="idle",
+                                                                               arrivals=0)))
+    assert d.prefill.desired == 0 and d.decode.desired == 0
+    # no request queued: stays at zero
+    d = a.decide(snap(60, role("prefill", 0, signal="idle", arrivals=0), role("decode", 0, signal="idle",
+                                                                                arrivals=0)))
+    assert d.prefill.desired == 0 and d.decode.desired == 0
+    # requests queued at the router with no replica: both roles wake together
+    d = a.decide(snap(90, role("prefill", 0, signal="idle", arrivals=0), role("decode", 0, signal="idle",
+                                                                                arrivals=0), router_queued=3))
+    assert d.prefill.desired >= 1 and d.decode.desired >= 1
+    assert "woken" in d.prefill.reason and "woken" in d.decode.reason
+    # without scaleToZero, idle stops at min 1
+    b = Autoscaler(spec(), CAL)
+    d = b.decide(snap(0, role("prefill", 2, signal="idle", arrivals=0), role("decode", 2, signal="idle",
+                                                                               arrivals=0)))
+    assert d.prefill.desired == 1 and d.decode.desired == 1
+
+
+def test_partial_behavior_keeps_defaults():
+    s = spec(behavior={"scaleDown": {"maxStep": 3}})
+    a = Autoscaler(s, CAL)
+    lim = a.limits["prefill"]
+    assert (lim.down_step, lim.down_window, lim.down_period) == (3, 300, 60)
+    assert (lim.up_step, lim.up_window, lim.up_period) == (2, 0, 30)
+    # the default up step (2 per 30 s) binds a big scale-up; the 300 s down window holds a scale-down
+    d = steady(a, 0, 3.0, 1, 1, pre_lat=4 * TTFT, dec_lat=4 * TPOT)
+    assert d.prefill.desired == 3 and d.prefill.limited_by == "maxStep"
+    d = steady(a, 10, 3.0, 3, 3, pre_lat=4 * TTFT, dec_lat=4 * TPOT)
+    assert d.prefill.desired == 3 and d.prefill.limited_by == "maxStep"   # same period
+    d = steady(a, 45, 3.0, 3, 3, pre_lat=4 * TTFT, dec_lat=4 * TPOT)
+    assert d.prefill.desired == 5
+    d = steady(a, 60, 0.01, 5, 5, pre_lat=0.5, dec_lat=0.06)
+    assert d.prefill.desired == 5 and d.prefill.limited_by == "stabilization"
+
+
+def test_rollout_guard_and_advisory():
+    a = Autoscaler(spec(pool={"mode": "advisory"}), CAL)
+    d = steady(a, 0, 2.0, 2, 2, pre_lat=3 * TTFT, dec_lat=3 * TPOT, rolling_out=True)
+    assert d.prefill.desired == 2 and d.prefill.limited_by == "rollout" and d.prefill.recommended > 2
+    assert d.advisory
+    d = steady(a, 15, 2.0, 2, 2, pre_lat=3 * TTFT, dec_lat=3 * TPOT)
+    assert d.prefill.desired > 2
+
+
+def test_forecast_leads_a_ramp():
+    a = Autoscaler(spec(), CAL)
+    needs = []
+    for i in range(12):
+        d = steady(a, 15 * i, 0.1 + 0.05 * i, 3, 3, pre_lat=TTFT * 0.5, dec_lat=TPOT * 0.8)
+        needs.append(d.prefill.inputs["forecast"] / d.prefill.inputs["demand"])
+    assert needs[-1] > 1.2   # a start-up time ahead of a rising ramp
+
+
+def test_absorb_bursts_when_prefill_breaks():
+    a = Autoscaler(spec(), CAL)
+    d = a.decide(snap(0, role("prefill", 2, arrivals=1.5, latency=2 * TTFT, waiting=4),
+                      role("decode", 6, arrivals=1.5, latency=0.5 * TPOT)))
+    assert d.absorb_bursts
+    b = Autoscaler(spec(), CAL)
+    d = b.decide(snap(0, role("prefill", 2, arrivals=1.5, latency=2 * TTFT, waiting=4),
+                      role("decode", 2, arrivals=1.5, latency=2 * TPOT)))
+    assert not d.absorb_bursts   # decode has no headroom
+
+
+def test_without_calibration():
+    a = Autoscaler(spec())
+    d = steady(a, 0, 1.0, 2, 2, pre_lat=2 * TTFT, dec_lat=2 * TPOT)
+    assert 4 <= d.prefill.desired <= 5 and 4 <= d.decode.desired <= 5   # observed/target, with headroom
+    d = steady(a, 30, 1.0, 4, 4, pre_lat=0.5 * TTFT, dec_lat=0.5 * TPOT)
+    assert d.prefill.desired < 4
+
+
+def test_policy_imports_no_kopf():
+    code = ("import sys; import tandem.operator.autoscaler.policy; import tandem.operator.simulate; "
+            "assert 'kopf' not in sys.modules, 'kopf imported'")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={"PYTHONSAFEPATH": "1"})
+    assert r.returncode == 0, r.stderr

@@ -1,0 +1,86 @@
+"""The simulator against reality: a real one-replica fleet (`tandem up`-style: router, 1 prefill, 1 decode
+worker of SmolLM2 on loopback), calibrated here with `tandem bench calibrate`'s code on a short grid
+(the committed calibration was measured on another day's load of this shared machine), then replayed
+with `tandem bench serve` at 30%, 60% and 80% of its capacity; the simulator, fed the same trace and
+the fresh calibration, gives p90 TTFT and p90 TPOT within 30% of the measured ones.
+
+Capacity: the fleet's prefill worker is its bottleneck (decode batches), so capacity is one request per
+calibrated remote-prefill time of the trace's prompt length."""
+import asyncio
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from fleet_utils import MODEL, start_fleet
+from tandem.operator.autoscaler.capacity import PerfModel
+from tandem.operator.simulate.baselines import Static
+from tandem.operator.simulate.fleet import Fleet
+from tandem.worker.bench.calibrate import calibrate
+from tandem.worker.bench.trace import generate, write_trace
+
+pytestmark = pytest.mark.timeout(900)
+PROMPT, OUTPUT = 128, 16
+LEVELS = (0.3, 0.6, 0.8)
+MIN_REQUESTS, MIN_SECONDS = 40, 60.0
+TOLERANCE = 0.30
+
+
+@pytest.fixture(scope="module")
+def fleet():
+    f = start_fleet(name="simreal")
+    yield f
+    f.stop(grace=10)
+
+
+def _url(fleet, role):
+    return next(p.url for p in fleet.procs if p.role == role)
+
+
+def _serve(fleet, trace, out):
+    cmd = [sys.executable, "-m", "tandem.worker.cli", "bench", "serve", "--base-url", fleet.endpoint + "/v1",
+           "--model", MODEL, "--endpoint", "completions", "--dataset", "trace", "--dataset-path", str(trace),
+           "--prefix-len", "0", "--output-dir", str(out), "--no-progress", "--no-plots", "--fail-on-error"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONSAFEPATH": "1"})
+    assert p.returncode == 0, p.stdout + p.stderr
+    return json.loads((out / "summary.json").read_text())
+
+
+def _simulate(perf, records, duration):
+    import numpy as np
+    fleet = Fleet(perf, Static(1, 1), records, {"prefill": 1, "decode": 1}, duration=duration).run()
+    ttft = np.array([r.ttft for r in fleet.requests])
+    tpot = np.array([r.tpot for r in fleet.requests])
+    return float(np.percentile(ttft, 90)), float(np.nanpercentile(tpot, 90))
+
+
+def test_simulator_matches_a_real_fleet(fleet, tmp_path):
+    decode = _url(fleet, "decode")
+    cal = asyncio.run(calibrate(decode, MODEL, prefill_sizes=(32, 128, 256), cached=(128,), cached_sizes=(32,),
+                                batches=(1, 2, 4), contexts=(64, 192), decode_tokens=12, repeats=2,
+                                pd_url=fleet.endpoint, pd_decode_url=decode))
+    assert "kv_transfer" in cal.fits
+    perf = PerfModel.of(cal)
+    service = perf.remote_prefill_seconds(PROMPT)
+    rows = []
+    for level in LEVELS:
+        rate = level / service
+        duration = max(MIN_SECONDS, MIN_REQUESTS / rate)
+        params, records = generate("step", duration, rate, PROMPT, OUTPUT, to_rate=rate, seed=int(level * 10))
+        trace = tmp_path / f"trace-{level}.jsonl"
+        write_trace(trace, "step", params, records)
+        real = _serve(fleet, trace, tmp_path / f"run-{level}")
+        sim_ttft, sim_tpot = _simulate(perf, records, duration)
+        real_ttft, real_tpot = real["ttft_ms"]["p90"] / 1000, real["tpot_ms"]["p90"] / 1000
+        rows.append({"load": level, "rate": round(rate, 3), "requests": len(records),
+                     "real_ttft_p90": round(real_ttft, 3), "sim_ttft_p90": round(sim_ttft, 3),
+                     "ttft_err": round(sim_ttft / real_ttft - 1, 3),
+                     "real_tpot_p90": round(real_tpot, 4), "sim_tpot_p90": round(sim_tpot, 4),
+                     "tpot_err": round(sim_tpot / real_tpot - 1, 3)})
+    print("\ncalibration:", {k: f.quality() for k, f in cal.fits.items()}, "service", round(service, 3))
+    for r in rows:
+        print(r)
+    bad = [r for r in rows if abs(r["ttft_err"]) > TOLERANCE or abs(r["tpot_err"]) > TOLERANCE]
+    assert not bad, bad
