@@ -90,6 +90,11 @@ class LocalFleet:
             self.secret_file = _private_file(self.dir / "pool-secret", secrets.token_urlsafe(32))
         if self.api_keys:
             self.api_key_file = _private_file(self.dir / "api-keys", "\n".join(self.api_keys) + "\n")
+        self.lock = threading.RLock()   # procs and the discovery file: the autoscaler's thread changes them
+        self.discovery_file = self.dir / "discovery.json"
+        self._serial = {"prefill": 0, "decode": 0}
+        #: the autoscaler's last burst-absorption decision, passed to the router in the discovery file
+        self.absorb_bursts = False
 
     @property
     def worker_headers(self) -> dict[str, str]:
@@ -107,12 +112,6 @@ class LocalFleet:
         if self.api_key_file and role == "router":
             env[auth.API_KEY_FILE_ENV] = str(self.api_key_file)
         return env
-
-        self.lock = threading.RLock()   # procs and the discovery file: the autoscaler's thread changes them
-        self.discovery_file = self.dir / "discovery.json"
-        self._serial = {"prefill": 0, "decode": 0}
-        #: the autoscaler's last burst-absorption decision, passed to the router in the discovery file
-        self.absorb_bursts = False
 
     @property
     def autoscaled(self) -> bool:
