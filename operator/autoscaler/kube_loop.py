@@ -8,7 +8,7 @@ Each tick (``TANDEM_AUTOSCALER_INTERVAL_SECONDS``), on the replica holding the L
 2. decide: the pool's :class:`~tandem.operator.autoscaler.policy.Autoscaler` (one per pool and spec
    generation: it keeps its stabilization history across ticks);
 3. act (mode ``active``): scale up by setting the Deployment's ``spec.replicas``; scale down one pod at
-   a time: drain the least-loaded ready pod (``POST /drain``), wait until it reports drained and its
+   a time, and only while every other pod of the role is ready (see below): drain the least-loaded ready pod (``POST /drain``), wait until it reports drained and its
    readiness probe has turned it not-ready, then lower ``spec.replicas`` by one. The ReplicaSet
    controller of v1.20 ranks pods to delete by: unscheduled, then pending, then **not ready** before
    ready (``controller.ActivePods``), so the drained pod is the one removed. v1.20 gives no stronger
@@ -197,9 +197,18 @@ class KubeAutoscaler:
                 self._set_replicas(ns, name, role, want)
                 self._event(body, "ScaledUp", f"{role}: {have} -> {want} replicas: {d.reason}")
             elif d.delta < 0:
-                ready = [p for p in pods if p["metadata"].get("labels", {}).get(D.LABEL_ROLE) == role
-                         and _ready(p) and not p["metadata"].get("deletionTimestamp")
-                         and p["metadata"]["name"] not in st.draining and (p.get("status") or {}).get("podIP")]
+                mine = [p for p in pods if p["metadata"].get("labels", {}).get(D.LABEL_ROLE) == role
+                        and not p["metadata"].get("deletionTimestamp")]
+                starting = [p["metadata"]["name"] for p in mine
+                            if not _ready(p) and p["metadata"]["name"] not in st.draining]
+                if starting:
+                    # a not-ready pod beside the drained one would let the ReplicaSet delete either (it
+                    # ranks not-ready pods alike): it could remove the starting pod and leave the
+                    # drained one, not ready for good. Scale down only when the rest are ready.
+                    log.info("autoscaler: %s/%s: %s pods %s not ready; scale-down waits", ns, name, role, starting)
+                    continue
+                ready = [p for p in mine if _ready(p) and p["metadata"]["name"] not in st.draining
+                         and (p.get("status") or {}).get("podIP")]
                 victim = least_loaded(ready, self._url)
                 if victim is None:
                     log.warning("autoscaler: %s/%s: no ready %s pod answers; not scaling down", ns, name, role)
