@@ -132,7 +132,7 @@ def test_decode_scales_up_under_load_then_drains_a_busy_worker(tmp_path):
 
         # a trickle of long requests: TPOT falls, the pool drains one (busy) worker and stops it
         trickle = _bench(fleet.endpoint, tmp_path / "trickle", "--num-prompts", "24", "--concurrency", "2",
-                         "--output-len", "96", "--fail-on-error")
+                         "--output-len", "64", "--fail-on-error")
         shrank = wait_for(lambda: loop.drains and loop.drains[0].get("stopped_at"), timeout=240, interval=1)
         assert shrank, f"no drain; decisions: {list(loop.decisions)[-5:]}"
         s = _summary(trickle, tmp_path / "trickle")
