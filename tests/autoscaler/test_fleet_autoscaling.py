@@ -137,6 +137,8 @@ def test_decode_scales_up_under_load_then_drains_a_busy_worker(tmp_path):
         assert shrank, f"no drain; decisions: {list(loop.decisions)[-5:]}"
         s = _summary(trickle, tmp_path / "trickle")
         assert s["failed"] == 0 and s["completed"] == 24, s      # zero failed requests, the drained one's too
+        recs = [json.loads(ln) for ln in (tmp_path / "trickle" / "requests.jsonl").read_text().splitlines()]
+        assert all(r["completion_tokens"] == 64 for r in recs), [r["completion_tokens"] for r in recs]  # full length
         d = loop.drains[0]
         assert d["role"] == "decode" and d["at_drain"]["draining"] is True
         assert d["at_drain"]["in_flight"] >= 1, d   # streams were in flight on the drained worker ...
