@@ -177,7 +177,6 @@ class Fleet:
         if not dec or (not pre and not self.absorb):
             self.router_queue.append(i)
             return False
-        d = min(dec, key=lambda r: (len(r.running) + r.pending_local, r.rid))
         s = self.perf.remote_prefill_seconds(req.prompt)
         p = min(pre, key=lambda r: (r.busy_until, r.rid)) if pre else None
         done = (max(now, p.busy_until) + s) if p is not None else math.inf
@@ -188,6 +187,9 @@ class Fleet:
             if idle:
                 self._local_prefill(now, idle[0], req)
                 return True
+        if p is None:   # no prefill replica and no idle decode one: wait at the router
+            self.router_queue.append(i)
+            return False
         start = max(now, p.busy_until)
         p.busy_until = start + s
         p.queue.append(start)

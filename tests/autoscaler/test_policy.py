@@ -215,6 +215,25 @@ def test_policy_imports_no_kopf():
     assert r.returncode == 0, r.stderr
 
 
+def test_perf_model_agrees_with_the_calibration():
+    """PerfModel's plain-float formulas give the calibration's own predictions; the pool sizes grow with
+    load and a replica's decode slots follow the target."""
+    from tandem.operator.autoscaler.capacity import PerfModel, erlang_c
+    perf = PerfModel.of(CAL)
+    for n in (1, 64, 256, 1000):
+        assert perf.local_prefill_seconds(n) == pytest.approx(CAL.prefill_seconds(n), rel=1e-9)
+        kv = CAL.kv_transfer_seconds(n * perf.kv_bytes_per_token)
+        assert perf.remote_prefill_seconds(n) == pytest.approx(max(CAL.prefill_seconds(n), kv), rel=1e-9)
+    for b, c in ((1, 100), (2, 300), (7, 50)):
+        assert perf.decode_step_seconds(b, c) == pytest.approx(CAL.decode_step_seconds(b, c), rel=1e-9)
+    assert erlang_c(1, 0.5) == pytest.approx(0.5) and erlang_c(2, 1.0) == pytest.approx(1 / 3)
+    s = perf.remote_prefill_seconds(256)
+    sizes = [perf.prefill_replicas(a, s, 3 * s) for a in (0.5, 2, 5, 10)]
+    assert sizes == sorted(sizes) and sizes[-1] > 10
+    assert perf.decode_slots(1.5 * perf.decode_step_seconds(1, 300), 300)[0] < 2   # CPU: batch 2 misses
+    assert perf.decode_slots(10.0, 300)[0] > 8
+
+
 def test_a_fresh_policy_holds_the_count_for_a_whole_down_window():
     """A restarted autoscaler, or the one the operator builds for a new spec generation (a GitOps sync),
     must not drop a serving pool on its second tick: its window has not seen a whole window of load yet."""

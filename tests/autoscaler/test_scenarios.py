@@ -6,7 +6,6 @@ other aim fails."""
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -20,8 +19,42 @@ pytestmark = pytest.mark.timeout(600)
 CAL = Calibration.load(DEFAULT_CALIBRATION)
 PERF = PerfModel.of(CAL)
 
+_START = ("a x3.3 step with a 120 s start-up: the 4 ready workers queue the surge for ~135 s and those "
+          "requests finish with TTFT up to ~100 s until minute 24 (4 of 61 windows)")
+_STATIC = ("the best static fleet, tuned in hindsight on seed 1, meets every SLO at the peak's size; tandem pays "
+           "the start-up transients in attainment (or, in bursts, replicas that arrive after each burst)")
+_LATENCY_FIRST = "reaches 100% with about twice tandem's GPU-hours; tandem's slightly lower attainment forbids 'beats'"
 #: (scenario, aim) pairs measured out of reach, each with why (bench/RESULTS.md has the table).
-KNOWN_MISSES: dict = {}
+KNOWN_MISSES: dict = {
+    ("step", "attainment >= 95% (TTFT and TPOT)"): _START,
+    ("step", "beats static"): _STATIC,
+    ("step", "beats hpa-queue"): "hpa-queue holds ~1.6x tandem's GPU-hours, which absorbs the step: " + _START,
+    ("step", "beats dynamo"): "dynamo (tuned) holds ~1.8x tandem's GPU-hours: " + _START,
+    ("diurnal", "GPU-hours <= 0.7x best static"): "even the oracle is at 0.89x: small pools queue worse (M/G/c), "
+                                                 "so the trough still needs about half the peak's replicas",
+    ("diurnal", "beats static"): _STATIC,
+    ("diurnal", "beats dynamo"): _LATENCY_FIRST,
+    ("diurnal", "beats apa"): _LATENCY_FIRST,
+    ("bursts", "GPU-hours <= 1.2x oracle"): "60 s bursts are shorter than the 120 s start-up: replicas added in a "
+                                            "burst arrive after it (an up-window of 45-60 s cost attainment instead)",
+    ("bursts", "GPU-hours <= 0.7x best static"): "even the oracle is at 0.94x static",
+    ("bursts", "beats static"): _STATIC,
+    ("bursts", "beats dynamo"): _LATENCY_FIRST,
+    ("prompt-shift", "attainment >= 95% (TTFT and TPOT)"): "the x4 prompt shift is a x3.8 step of prefill work: "
+                                                            "same start-up transient as the step",
+    ("prompt-shift", "GPU-hours <= 1.2x oracle"): "the catch-up that drains the shift's backlog overshoots to 16",
+    ("prompt-shift", "prefill grows, decode changes by <= 1"): "decode steps slow with context (f*batch*context: "
+                                                              "+0.04 s per sequence at 1024 tokens), so decode needs "
+                                                              "more replicas too; the oracle also goes 1 -> 5",
+    ("prompt-shift", "beats static"): _STATIC,
+    ("prompt-shift", "beats hpa-queue"): "hpa-queue holds 1.5x tandem's GPU-hours through the transient",
+    ("prompt-shift", "beats dynamo"): _LATENCY_FIRST,
+    ("output-shift", "<= 2 direction changes per pool per 10 min at steady load"):
+        "decode's demand (40-token outputs at ~1.2 req/s) is noisy in 30 s windows; 3 changes once",
+    ("output-shift", "beats static"): _STATIC,
+    ("all", "static fails somewhere (SLO, or GPU-h > 1.2x oracle)"): "hindsight-best per scenario, it meets "
+        "every SLO within 1.2x the oracle: the scenarios' mean loads are 0.6-0.75 of their own peaks",
+}
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +112,8 @@ def test_static_fleet_accounting():
     assert m["gpu_hours"] == pytest.approx(24 * fleet.end / 3600, rel=1e-6)
     assert R.meets(m) and m["prefill"]["actions"] == 0
     small, _ = R.run_one("static", sc, PERF, CAL, {"prefill": 1, "decode": 1})
-    assert small["attainment_ttft"] < 0.5 and small["attainment_tpot"] < 0.5
+    # one prefill replica is the bottleneck (the lone decode replica only sees what it lets through)
+    assert small["attainment_ttft"] < 0.5 and small["p90_ttft"] > 10 * m["p90_ttft"]
 
 
 def test_cli(tmp_path):
@@ -106,3 +140,27 @@ def test_cli(tmp_path):
     r4 = subprocess.run(tandem + ["simulate", "--scenario", "step", "--policy", "nope"], capture_output=True,
                         text=True, env=env, timeout=120)
     assert r4.returncode == 2 and "unknown policy" in r4.stderr
+
+
+def test_scale_to_zero_and_wake_in_the_simulator():
+    """A pool with scaleToZero goes to 0 over an idle gap (the idle signal), the router queues the next
+    requests, the policy wakes both roles and every request is served."""
+    from tandem.operator.autoscaler.policy import Autoscaler
+    from tandem.operator.spec import load_manifest
+    sc = S.build("step", PERF, 0)
+    m = S.manifest(sc)
+    m["spec"]["autoscaling"]["scaleToZero"] = True
+    for role in ("prefill", "decode"):
+        m["spec"][role]["autoscaling"]["minReplicas"] = 0
+    spec = load_manifest(m).spec
+    records = [r for r in sc.records if r["timestamp"] < 120] + \
+              [dict(r, timestamp=r["timestamp"] + 1500) for r in sc.records if r["timestamp"] < 30]
+    fleet = R.simulate(Autoscaler(spec, CAL), records, PERF, sc.targets, {"prefill": 2, "decode": 2}, 2100.0)
+    counts = [(x["t"], x["prefill"], x["decode"]) for x in fleet.timeline]
+    assert any(p == 0 and d == 0 for t, p, d in counts if 600 < t < 1500), counts
+    assert any(d.prefill.signal == "idle" for d in fleet.decisions)
+    woken = [d for d in fleet.decisions if "woken" in d.prefill.reason]
+    assert woken and woken[0].at >= 1500 and "woken" in woken[0].decode.reason
+    assert all(r.finish == r.finish for r in fleet.requests)   # no NaN: every request finished
+    late = [r for r in fleet.requests if r.arrival >= 1500]
+    assert min(r.ttft for r in late) >= S.STARTUP_S - 30   # they waited for a replica to start (arrivals span 30 s)
