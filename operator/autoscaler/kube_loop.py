@@ -101,6 +101,19 @@ class _PoolState:
         self.last_key: Optional[tuple] = None
         self.limited: Optional[tuple] = None
 
+    def carry_over(self, old: "_PoolState") -> None:
+        """A new spec generation (a GitOps sync) keeps what the pool's history holds: the policy's
+        stabilization windows, the step limits' record of recent changes, the demand trend and the
+        learned capacity factor; the drains in progress; the scrape history when the source is alike.
+        Starting afresh would forget the last scale-up (its periodSeconds limit) and act on a window
+        of metrics that the old generation had already acted on (seen in tests/e2e)."""
+        self.policy.state = old.policy.state
+        self.draining = old.draining
+        self.last_key, self.limited = old.last_key, old.limited
+        if isinstance(old.source, PodsSource) and isinstance(self.source, PodsSource) and \
+                (old.source.window_s, old.source.percentiles) == (self.source.window_s, self.source.percentiles):
+            self.source = old.source
+
 
 class KubeAutoscaler:
     """The operator's autoscaler loop (sync; the operator runs :meth:`tick` in a thread).
@@ -161,8 +174,11 @@ class KubeAutoscaler:
             seen.add(key)
             st = self.pools.get(key)
             if st is None or st.generation != pool.metadata.generation:
-                st = self.pools[key] = _PoolState(pool, self.window_s, self.interval_s, self.startup_s,
-                                                  load_calibration(self.kube, pool))
+                old, st = st, _PoolState(pool, self.window_s, self.interval_s, self.startup_s,
+                                         load_calibration(self.kube, pool))
+                if old is not None:
+                    st.carry_over(old)
+                self.pools[key] = st
             try:
                 self._pool(body, pool, st)
             except KubeError as e:
