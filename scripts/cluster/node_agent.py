@@ -208,7 +208,7 @@ class PodRunner:
         env = {"PATH": ":".join([*image_dirs, *self.agent.path_prepend, os.path.dirname(sys.executable),
                                  os.environ.get("PATH", "/usr/bin:/bin")]),
                "HOME": str(self.dir), "PYTHONUNBUFFERED": "1", "HOSTNAME": self.name}
-        for k in ("XDG_CACHE_HOME", "HF_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "LANG"):
+        for k in ("XDG_CACHE_HOME", "HF_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "LANG", "OMP_NUM_THREADS"):
             if k in os.environ:
                 env[k] = os.environ[k]
         for e in c.env or []:
