@@ -301,6 +301,11 @@ def desired_hash(obj: dict[str, Any]) -> str:
     md = dict(obj["metadata"])
     md["annotations"] = {k: v for k, v in (md.get("annotations") or {}).items() if k != ANN_DESIRED_HASH}
     o = {**obj, "metadata": md}
+    if obj.get("kind") == "Deployment":
+        # Not the count: the autoscaler changes it, and a new hash would make every pass after a scale
+        # re-apply the Deployment with the count it read (a race with the next scale, and a write by
+        # every operator replica). needs_apply still compares the count itself.
+        o["spec"] = {k: v for k, v in obj["spec"].items() if k != "replicas"}
     return hashlib.sha256(json.dumps(o, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
 
 

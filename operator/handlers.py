@@ -18,7 +18,10 @@ Configuration is by environment (the chart sets it; `python -m tandem.operator -
 TANDEM_WEBHOOK (service|url|off), TANDEM_WEBHOOK_LISTEN (addr:port), TANDEM_WEBHOOK_SERVICE
 (namespace/name:port), TANDEM_WEBHOOK_HOST (url mode), TANDEM_WEBHOOK_SECRET (namespace/name),
 TANDEM_WEBHOOK_CONFIG (name of the managed ValidatingWebhookConfiguration), TANDEM_RESYNC_SECONDS,
-TANDEM_METRICS_PORT, TANDEM_NAMESPACES (comma list; empty = all).
+TANDEM_METRICS_PORT, TANDEM_NAMESPACES (comma list; empty = all); the autoscaler's loop (autoscaler/
+kube_loop.py, outside Kopf: it acts only while holding a Lease): TANDEM_AUTOSCALER (on|off),
+TANDEM_AUTOSCALER_INTERVAL_SECONDS, TANDEM_AUTOSCALER_WINDOW_SECONDS, TANDEM_AUTOSCALER_LEASE
+(namespace/name), POD_NAME (the Lease holder's identity).
 """
 from __future__ import annotations
 
@@ -120,13 +123,45 @@ async def configure(settings: kopf.OperatorSettings, logger, **_):
         STATE["metrics"] = metrics.start(port)
     STATE["reconciler"] = Reconciler(Kube())
     STATE["resync_task"] = asyncio.create_task(_resync_loop(float(_env("TANDEM_RESYNC_SECONDS", "10"))))
+    if _env("TANDEM_AUTOSCALER", "on") != "off":
+        STATE["autoscaler_task"] = asyncio.create_task(_autoscaler_loop())
 
 
 @kopf.on.cleanup()
 async def cleanup(**_):
-    t = STATE.pop("resync_task", None)
-    if t is not None:
-        t.cancel()
+    for name in ("resync_task", "autoscaler_task"):
+        t = STATE.pop(name, None)
+        if t is not None:
+            t.cancel()
+    auto = STATE.pop("autoscaler", None)
+    if auto is not None:
+        await asyncio.to_thread(auto.stop)
+
+
+async def _autoscaler_loop() -> None:
+    """The autoscaler's ticks (autoscaler/kube_loop.py), in a thread each, on the Lease holder only."""
+    import socket
+
+    from .autoscaler.kube_loop import KubeAutoscaler
+    from .autoscaler.lease import LeaderLease
+    interval = float(_env("TANDEM_AUTOSCALER_INTERVAL_SECONDS", "5"))
+    lease_ns, _, lease_name = _env("TANDEM_AUTOSCALER_LEASE", "").partition("/")
+    kube = Kube()
+    lease = LeaderLease(kube, lease_ns or _env("POD_NAMESPACE", "default"), lease_name or "tandem-operator-autoscaler",
+                        _env("POD_NAME") or socket.gethostname(),
+                        duration_s=float(_env("TANDEM_AUTOSCALER_LEASE_SECONDS", "15")),
+                        renew_s=min(interval, 5.0))
+    auto = STATE["autoscaler"] = KubeAutoscaler(
+        kube, lease, events=reconciler().event, metrics=_metrics(),
+        namespaces=[n for n in _env("TANDEM_NAMESPACES").split(",") if n],
+        window_s=float(_env("TANDEM_AUTOSCALER_WINDOW_SECONDS", "30")), interval_s=interval)
+    while True:
+        t0 = time.monotonic()
+        try:
+            await asyncio.to_thread(auto.tick)
+        except Exception:  # noqa: BLE001 - nothing stops the loop
+            log.exception("autoscaler tick failed")
+        await asyncio.sleep(max(0.5, interval - (time.monotonic() - t0)))
 
 
 def _enqueue(body: Any) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import threading
 import time
@@ -60,6 +61,8 @@ class Kube:
     def __init__(self, api: Optional[client.ApiClient] = None, retries: int = 6, base_delay: float = 0.2,
                  timeout: float = 20.0):
         self.api = api or load_config()
+        if os.environ.get("POD_NAME"):   # the audit log's userAgent then names the operator replica
+            self.api.user_agent = f"tandem-operator/{os.environ['POD_NAME']}"
         self.retries = retries
         self.base_delay = base_delay
         self.timeout = timeout

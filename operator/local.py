@@ -1,9 +1,17 @@
 """``tandem up``: the embedded default. One InferencePool manifest becomes a fleet of local processes,
 one per replica and role, started with the same ``tandem serve`` command the pods run.
 
-The router gets its peers' addresses as static discovery. Every process's output is kept, line by
-line, under a ``[role-i]`` prefix. Ctrl-C or SIGTERM stops the router first, then drains and stops the
-workers (SIGTERM, which they treat as drain-then-exit), and kills what is left after a grace period.
+The router reads its peers' addresses from a discovery file that the fleet rewrites (write, then
+rename) whenever a worker turns ready or starts draining, so it learns of workers without a restart.
+Every process's output is kept, line by line, under a ``[role-i]`` prefix. Ctrl-C or SIGTERM stops the
+router first, then drains and stops the workers (SIGTERM, which they treat as drain-then-exit), and
+kills what is left after a grace period.
+
+When a role has ``autoscaling.enabled``, the fleet runs the same autoscaler as the operator
+(:mod:`tandem.operator.autoscaler.fleet_loop`): it scrapes every process's /metrics, asks the policy,
+starts workers, and drains the least-loaded one before stopping it. A ``scaleToZero`` pool with
+``minReplicas: 0`` starts with the router alone; the router is ready, holds the first request, and the
+autoscaler wakes both roles.
 """
 from __future__ import annotations
 
@@ -37,6 +45,8 @@ class Proc:
     role: str
     url: str
     popen: subprocess.Popen
+    #: starting (not yet ready) | ready | draining (out of the discovery file, finishing its requests)
+    state: str = "starting"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -80,6 +90,11 @@ class LocalFleet:
             self.secret_file = _private_file(self.dir / "pool-secret", secrets.token_urlsafe(32))
         if self.api_keys:
             self.api_key_file = _private_file(self.dir / "api-keys", "\n".join(self.api_keys) + "\n")
+        self.lock = threading.RLock()   # procs and the discovery file: the autoscaler's thread changes them
+        self.discovery_file = self.dir / "discovery.json"
+        self._serial = {"prefill": 0, "decode": 0}
+        #: the autoscaler's last burst-absorption decision, passed to the router in the discovery file
+        self.absorb_bursts = False
 
     @property
     def worker_headers(self) -> dict[str, str]:
@@ -97,6 +112,66 @@ class LocalFleet:
         if self.api_key_file and role == "router":
             env[auth.API_KEY_FILE_ENV] = str(self.api_key_file)
         return env
+
+    @property
+    def autoscaled(self) -> bool:
+        """Whether a worker role has autoscaling enabled (then :meth:`run_autoscaler` applies)."""
+        return any(r.autoscaling is not None and r.autoscaling.enabled
+                   for r in (self.pool.spec.prefill, self.pool.spec.decode))
+
+    def workers(self, role: str | None = None) -> list[Proc]:
+        with self.lock:
+            return [p for p in self.procs if p.role != "router" and (role is None or p.role == role)]
+
+    def write_discovery(self) -> None:
+        """The router's view: ready workers only (a starting one is not ready, a draining one is leaving)."""
+        with self.lock:
+            d = {role: [p.url for p in self.procs if p.role == role and p.state == "ready"]
+                 for role in ("prefill", "decode")}
+            d["absorbBursts"] = self.absorb_bursts
+            tmp = self.discovery_file.with_suffix(".tmp")
+            tmp.write_text(json.dumps(d))
+            os.replace(tmp, self.discovery_file)
+
+    def start_worker(self, role: str) -> Proc:
+        """Start one worker process of ``role`` (it turns ready later: see :meth:`refresh`)."""
+        with self.lock:
+            i = self._serial[role]
+            self._serial[role] += 1
+        extra = ["--kv-port", "0"] if role == "prefill" else []
+        return self._start(f"{role}-{i}", role, worker_config(self.pool, role), free_port(self.host), extra)
+
+    def stop_worker(self, p: Proc, grace: float = 30.0) -> None:
+        """Stop one worker (SIGTERM: drain, then exit; SIGKILL after ``grace`` s) and forget it."""
+        if p.popen.poll() is None:
+            p.popen.send_signal(signal.SIGTERM)
+            try:
+                p.popen.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                p.popen.kill()
+                p.popen.wait()
+        with self.lock:
+            if p in self.procs:
+                self.procs.remove(p)
+        self.write_discovery()
+
+    def refresh(self) -> list[Proc]:
+        """Mark starting workers that answer /ready as ready (and tell the router); drop processes that
+        exited. Returns the processes that exited."""
+        dead = []
+        for p in self.workers():
+            if p.popen.poll() is not None:
+                dead.append(p)
+            elif p.state == "starting" and _ready(p.url):
+                p.state = "ready"
+                self.write_discovery()
+        if dead:
+            with self.lock:
+                for p in dead:
+                    if p in self.procs:
+                        self.procs.remove(p)
+            self.write_discovery()
+        return dead
 
     @property
     def endpoint(self) -> str:
@@ -118,7 +193,8 @@ class LocalFleet:
                                  env=env, start_new_session=True)
         threading.Thread(target=_pump, args=(name, popen.stdout, self.out), daemon=True).start()
         proc = Proc(name, role, f"http://{self.host}:{port}", popen)
-        self.procs.append(proc)
+        with self.lock:
+            self.procs.append(proc)
         return proc
 
     def _wait_ready(self, procs: list[Proc], timeout: float) -> None:
@@ -139,21 +215,22 @@ class LocalFleet:
             time.sleep(0.3)
 
     def start(self, timeout: float = 600.0) -> None:
-        """Start every worker, wait until they are ready, then start the router and wait for it."""
+        """Start every worker (minReplicas of an autoscaled role, possibly 0), wait until they are
+        ready, then start the router and wait for it."""
         spec = self.pool.spec
-        workers = []
-        for role, role_spec in (("prefill", spec.prefill), ("decode", spec.decode)):
-            for i in range(initial_replicas(role_spec)):
-                extra = ["--kv-port", "0"] if role == "prefill" else []
-                workers.append(self._start(f"{role}-{i}", role, worker_config(self.pool, role),
-                                           free_port(self.host), extra))
+        workers = [self.start_worker(role) for role, role_spec in (("prefill", spec.prefill), ("decode", spec.decode))
+                   for _ in range(initial_replicas(role_spec))]
         self._wait_ready(workers, timeout)
-        discovery = {"mode": "static",
-                     "prefill": [p.url for p in workers if p.role == "prefill"],
-                     "decode": [p.url for p in workers if p.role == "decode"]}
+        for p in workers:
+            p.state = "ready"
+        self.write_discovery()
+        discovery = {"mode": "static", "file": str(self.discovery_file)}
+        if spec.autoscaling.scaleToZero:
+            discovery["scaleToZero"] = True
         router = self._start("router", "router", worker_config(self.pool, "router", discovery),
                              self.router_port)
         self._wait_ready([router], timeout)
+        router.state = "ready"
 
     def stop(self, grace: float = 30.0) -> None:
         """Router first, then workers: SIGTERM (drain, then exit), SIGKILL after ``grace`` seconds.
@@ -217,6 +294,14 @@ def local_api_keys(manifest: str, pool) -> list[str]:
     return keys
 
 
+def _ready(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/ready", timeout=2) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
 def run_up(args) -> int:
     """The ``tandem up`` command."""
     if not Path(args.manifest).is_file():
@@ -239,12 +324,24 @@ def run_up(args) -> int:
         if args.ask:
             print(f"Q: {args.ask}\nA: {fleet.ask(args.ask)}", flush=True)
             return 0
-        while not stop.is_set():
-            dead = [p for p in fleet.procs if p.popen.poll() is not None]
-            for p in dead:
-                print(f"tandem up: {p.name} exited with code {p.popen.returncode}", flush=True)
-                fleet.procs.remove(p)
-            stop.wait(1.0)
+        loop = None
+        if fleet.autoscaled:
+            from tandem.operator.autoscaler.fleet_loop import FleetAutoscaler
+            cal = None
+            if getattr(args, "calibration", None):
+                from tandem.worker.bench.calibration import Calibration
+                cal = Calibration.load(args.calibration)
+            loop = FleetAutoscaler(fleet, window_s=getattr(args, "autoscale_window", 30.0),
+                                   interval_s=getattr(args, "autoscale_interval", 5.0), calibration=cal)
+            loop.start()
+        try:
+            while not stop.is_set():
+                for p in fleet.refresh():
+                    print(f"tandem up: {p.name} exited with code {p.popen.returncode}", flush=True)
+                stop.wait(1.0)
+        finally:
+            if loop is not None:
+                loop.stop()
         return 0
     except RuntimeError as e:
         print(f"tandem up: {e}", file=sys.stderr)

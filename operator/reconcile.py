@@ -383,9 +383,8 @@ class Reconciler:
         if "ScalingLimited" in prev:  # owned by the autoscaler: keep it
             out.append(prev["ScalingLimited"])
         st["conditions"] = out
-        for k in ("observed", "lastScalingDecisions"):  # written by the autoscaler
-            if k in old:
-                st[k] = old[k]
+        # "observed" and "lastScalingDecisions" are the autoscaler's: left out of this merge patch, so
+        # a pass never writes back the copy it read at its start over a newer decision
         return st
 
     def _write_status(self, ns: str, name: str, old: dict, new: dict, body: dict) -> bool:

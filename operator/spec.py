@@ -375,9 +375,12 @@ def service_name(pool: str, role: str) -> str:
 
 def kubernetes_discovery(pool: InferencePool) -> dict[str, Any]:
     name = pool.metadata.name
-    return {"mode": "kubernetes", "namespace": pool.metadata.namespace or "default",
-            "prefillService": service_name(name, "prefill"), "decodeService": service_name(name, "decode"),
-            "port": WORKER_PORT}
+    d = {"mode": "kubernetes", "namespace": pool.metadata.namespace or "default",
+         "prefillService": service_name(name, "prefill"), "decodeService": service_name(name, "decode"),
+         "port": WORKER_PORT}
+    if pool.spec.autoscaling.scaleToZero:   # the router is ready with no worker, to hold the first request
+        d["scaleToZero"] = True
+    return d
 
 
 def worker_config(pool: InferencePool, role: str, discovery: Optional[dict[str, Any]] = None) -> WorkerConfig:

@@ -18,6 +18,10 @@ if [[ $(id -u) -eq 0 ]]; then   # the operator suite needs root (network namespa
   t0=$SECONDS
   timeout "${TANDEM_CLUSTER_BUILD_TIMEOUT:-2400}" bash scripts/cluster/build.sh
   timeout 600 bash scripts/cluster/get_helm.sh
+  # The autoscaler's Prometheus metric source is tested against a real Prometheus (Debian's 2.42).
+  if ! command -v prometheus >/dev/null; then
+    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus
+  fi
   echo "test.sh: test cluster ready ($((SECONDS - t0)) s)"
 fi
 exec python -m pytest -ra "$@"

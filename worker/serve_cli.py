@@ -154,8 +154,10 @@ async def _serve_router(args, cfg) -> None:
     router = Router(cfg.pool, cfg.model.name, source, cfg.model.dtype, cfg.model.quantization,
                     load_tokenizer(source), cfg.engine.blockSize, make_discovery(cfg.discovery),
                     cfg.router.remotePrefillMinTokens, cfg.router.routing,
+                    queue_timeout=args.queue_timeout or cfg.router.queueTimeoutSeconds,
                     max_model_len=cfg.model.maxModelLen, max_request_bytes=args.max_request_bytes,
-                    api_keys=args.api_keys, pool_secret=args.pool_secret)
+                    api_keys=args.api_keys, pool_secret=args.pool_secret,
+                    ready_without_workers=bool((cfg.discovery or {}).get("scaleToZero")))
 
     async def on_signal(stop: asyncio.Event) -> None:
         stop.set()
@@ -229,6 +231,9 @@ def add_serve_commands(sub) -> None:
     s.add_argument("--pool-secret-file", default=None, metavar="PATH",
                    help="the pool's shared secret (router -> worker token, KV handshake). "
                         "Also: TANDEM_POOL_SECRET_FILE, TANDEM_POOL_SECRET")
+    s.add_argument("--queue-timeout", type=float, default=None, metavar="SECONDS",
+                   help="router: seconds a request waits for a ready decode worker before a 503 "
+                        "(default: the config's router.queueTimeoutSeconds, 300)")
     s.set_defaults(func=_serve)
 
     u = sub.add_parser("up", help="run an InferencePool manifest as local processes (the embedded default)")
@@ -237,4 +242,11 @@ def add_serve_commands(sub) -> None:
     u.add_argument("--port", type=int, default=8000, help="the router's port (0: a free one)")
     u.add_argument("--ask", default=None, metavar="QUESTION",
                    help="once the pool is ready, send this chat question, print the answer, and stop")
+    u.add_argument("--autoscale-window", type=float, default=30.0, metavar="SECONDS",
+                   help="autoscaled pools: the window metrics are read over (default 30)")
+    u.add_argument("--autoscale-interval", type=float, default=5.0, metavar="SECONDS",
+                   help="autoscaled pools: seconds between autoscaler decisions (default 5)")
+    u.add_argument("--calibration", default=None, metavar="FILE",
+                   help="autoscaled pools: a performance model from `tandem bench calibrate` "
+                        "(e.g. bench/calibrations/smollm2-cpu.yaml)")
     u.set_defaults(func=_up)

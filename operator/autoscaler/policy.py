@@ -86,6 +86,7 @@ class _RoleState:
     events: deque = field(default_factory=deque)      # (at, delta) of applied changes
     demand: deque = field(default_factory=deque)      # (at, demand in the role's unit)
     correction: float = 1.0                           # capacity factor: real / modelled capacity
+    first_at: Optional[float] = None                  # this policy's first decision (restart or new spec)
 
 
 @dataclass
@@ -145,10 +146,8 @@ class Autoscaler:
                 decisions[r] = RoleDecision(r, cur, lim.min, s.rec, rs.signal,
                                             f"autoscaling is off: {lim.min} replicas", None, s.inputs)
                 continue
-            if not st.recs and lim.down_window > 0:
-                # the first decision: as if the current count had been recommended until now, so that a
-                # restarted autoscaler does not drop a serving pool before its window has seen anything
-                st.recs.append((at - lim.down_window, cur))
+            if st.first_at is None:
+                st.first_at = at
             st.recs.append((at, s.rec))
             horizon = max(lim.up_window, lim.down_window, lim.up_period, lim.down_period) + 1
             while st.recs and st.recs[0][0] < at - horizon:
@@ -349,6 +348,11 @@ class Autoscaler:
                 want, limited = cur + room, "maxStep"
         elif want < cur:
             window = [r for t, r in st.recs if t >= at - lim.down_window]
+            if at - st.first_at < lim.down_window:
+                # a restarted autoscaler, or one rebuilt for a new spec generation (a GitOps sync),
+                # counts the current count as recommended until its first decision: it does not drop a
+                # serving pool before a whole window of its own has seen the load
+                window.append(cur)
             stab = min(cur, max(window)) if window else want
             if stab > want:
                 want, limited = stab, "stabilization"

@@ -60,8 +60,9 @@ class Cluster:
     """etcd + kube-apiserver + controller-manager + scheduler (+ node agent) on 127.0.0.1."""
 
     def __init__(self, workdir: str | Path | None = None, node_agent: bool = True, subnet_index: int | None = None,
-                 pod_path_prepend: list[str] | None = None):
+                 pod_path_prepend: list[str] | None = None, image_paths: dict[str, str] | None = None):
         self.pod_path_prepend = list(pod_path_prepend or [])
+        self.image_paths = dict(image_paths or {})
         self.bin = build()
         self.dir = Path(workdir or tempfile.mkdtemp(prefix="tandem-cluster-"))
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -165,7 +166,8 @@ class Cluster:
         self._spawn("node-agent", [sys.executable, str(HERE / "node_agent.py"), "--kubeconfig", str(self.kubeconfig),
                                    "--subnet", self.subnet, "--bridge", self.bridge, "--node", "tandem-node",
                                    "--workdir", str(self.dir / "pods"),
-                                   *[f"--path-prepend={p}" for p in self.pod_path_prepend]], env=env)
+                                   *[f"--path-prepend={p}" for p in self.pod_path_prepend],
+                                   *[f"--image-path={i}={d}" for i, d in self.image_paths.items()]], env=env)
         deadline = time.time() + 30
         while time.time() < deadline:
             r = self.kubectl("get", "node", "tandem-node", "-o", "name", check=False)

@@ -8,7 +8,9 @@ Run as root (it makes network namespaces). What it does, and what it deliberatel
   bridge it creates, and an address from a private /24 that only these namespaces use. The host side of
   the bridge holds .1, so the host (and the apiserver, via Endpoints) reaches pods at their IPs.
 - Runs the first container's command + args as a process in that namespace (images are ignored; the
-  command must exist on this machine, with this interpreter's bin directory first on PATH). ConfigMap
+  command must exist on this machine, with this interpreter's bin directory first on PATH; an image
+  named in --image-path IMAGE=DIR gets DIR first on PATH, so a test can give one pool a stand-in
+  command while the others run the real one). ConfigMap
   and Secret volumes are written to a per-pod folder, and each volume's mountPath is rewritten to that
   folder in the command, args and env values. `fieldRef` env (metadata.name, metadata.namespace,
   status.podIP, spec.nodeName, spec.serviceAccountName) is filled in.
@@ -202,10 +204,11 @@ class PodRunner:
         def rewrite(s: str) -> str:
             # One pass, at the start of a value or after "=", so a rewritten path is never rewritten again.
             return pat.sub(lambda m: m.group(1) + self.mounts[m.group(2)], s) if pat else s
-        env = {"PATH": ":".join([*self.agent.path_prepend, os.path.dirname(sys.executable),
+        image_dirs = [d for img, d in self.agent.image_paths.items() if (c.image or "") == img]
+        env = {"PATH": ":".join([*image_dirs, *self.agent.path_prepend, os.path.dirname(sys.executable),
                                  os.environ.get("PATH", "/usr/bin:/bin")]),
                "HOME": str(self.dir), "PYTHONUNBUFFERED": "1", "HOSTNAME": self.name}
-        for k in ("XDG_CACHE_HOME", "HF_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "LANG"):
+        for k in ("XDG_CACHE_HOME", "HF_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "LANG", "OMP_NUM_THREADS"):
             if k in os.environ:
                 env[k] = os.environ[k]
         for e in c.env or []:
@@ -494,6 +497,7 @@ class Agent:
         self.max_probe_period = max_probe_period
         self.backoff_base, self.backoff_max = backoff_base, backoff_max
         self.path_prepend = [p for p in (path_prepend or []) if p]
+        self.image_paths: dict[str, str] = {}
         self.pods: dict[str, PodRunner] = {}
         self.free_idx = list(range(2, 255))
         self.stopping = threading.Event()
@@ -643,6 +647,8 @@ def main() -> int:
     ap.add_argument("--max-probe-period", type=float, default=1.0)
     ap.add_argument("--path-prepend", action="append", default=[],
                     help="directories put first on the pods' PATH (e.g. a mock's bin directory)")
+    ap.add_argument("--image-path", action="append", default=[], metavar="IMAGE=DIR",
+                    help="pods whose image is IMAGE get DIR first on PATH (a stand-in command for that image)")
     ap.add_argument("--backoff-base", type=float, default=1.0,
                     help="first crash back-off in seconds (the kubelet's is 10)")
     ap.add_argument("--backoff-max", type=float, default=16.0,
@@ -651,6 +657,7 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     agent = Agent(a.kubeconfig, a.subnet, a.bridge, a.node, a.workdir, a.max_probe_period, a.path_prepend,
                   a.backoff_base, a.backoff_max)
+    agent.image_paths = dict(x.split("=", 1) for x in a.image_path)
     agent.setup_bridge()
     signal.signal(signal.SIGTERM, lambda *_: agent.stopping.set())
     signal.signal(signal.SIGINT, lambda *_: agent.stopping.set())

@@ -232,3 +232,18 @@ def test_perf_model_agrees_with_the_calibration():
     assert sizes == sorted(sizes) and sizes[-1] > 10
     assert perf.decode_slots(1.5 * perf.decode_step_seconds(1, 300), 300)[0] < 2   # CPU: batch 2 misses
     assert perf.decode_slots(10.0, 300)[0] > 8
+
+
+def test_a_fresh_policy_holds_the_count_for_a_whole_down_window():
+    """A restarted autoscaler, or the one the operator builds for a new spec generation (a GitOps sync),
+    must not drop a serving pool on its second tick: its window has not seen a whole window of load yet."""
+    beh = {"scaleUp": {"stabilizationWindowSeconds": 0, "maxStep": 1, "periodSeconds": 30},
+           "scaleDown": {"stabilizationWindowSeconds": 20, "maxStep": 1, "periodSeconds": 20}}
+    a = Autoscaler(spec(behavior=beh), CAL)
+
+    def idle(at):
+        return a.decide(snap(at, role("prefill", 1, signal="idle", arrivals=0),
+                             role("decode", 2, signal="idle", arrivals=0)))
+    for at in (0, 2, 4, 10, 19):
+        assert idle(at).decode.desired == 2, at          # held through the first 20 s
+    assert idle(21).decode.desired == 1                  # then the idle pool goes down, one step

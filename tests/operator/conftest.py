@@ -6,20 +6,17 @@ a pod (a process in its own network namespace, through the node agent) under the
 ServiceAccount with a TokenRequest token. Everything is stopped by PID at the end.
 
 Worker pods run the real `tandem serve` when it exists; otherwise a MOCK `tandem serve`
-(tests/operator/mock_bin/tandem) that serves /health, /ready and /drain only.
+(tests/operator/mock_bin/tandem) that serves /health, /ready, /drain and scripted /metrics. Pods of the
+image MOCK_IMAGE always run the mock (the autoscaler's tests script their /metrics).
 """
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
-import tempfile
-from pathlib import Path
 
 import pytest
 
-from operator_helpers import (MOCK_BIN, OPERATOR_NS, ROOT, Cluster, Operator, _can_run_cluster,  # noqa: F401
-                              real_worker_available, render_chart)
+from operator_helpers import (ROOT, Operator,  # noqa: F401
+                              install_operator, real_worker_available, running_cluster)
 
 
 @pytest.fixture(scope="session")
@@ -35,37 +32,10 @@ def worker_kind() -> str:
 
 @pytest.fixture(scope="session")
 def cluster(request, worker_kind):
-    why = _can_run_cluster()
-    if why:
-        pytest.skip(why)
-    extra = [] if worker_kind == "real" else [str(MOCK_BIN)]
-    print(f"\n[operator e2e] worker pods run the {worker_kind.upper()} `tandem serve`", flush=True)
-    # Not under pytest's basetemp: other pytest sessions on the machine rotate /tmp/pytest-of-<user>
-    # and would delete etcd's data and the pods' files under a running cluster.
-    workdir = Path(tempfile.mkdtemp(prefix="tandem-operator-e2e-"))
-    print(f"[operator e2e] cluster files (logs, audit log, pods) in {workdir}", flush=True)
-    c = Cluster(workdir, pod_path_prepend=extra)
-    with c:
-        c.kubectl("apply", "--server-side", "-f", str(ROOT / "crds"))
-        c.kubectl("wait", "--for=condition=established", "--timeout=60s",
-                  "crd/inferencepools.serving.tandem.dev", "crd/clusterkopfpeerings.kopf.dev")
+    with running_cluster(request, worker_kind) as c:
         yield c
-    # Everything it started is stopped (by PID). Keep the files only when something failed.
-    if request.session.testsfailed == 0 and not os.environ.get("TANDEM_KEEP_CLUSTER"):
-        shutil.rmtree(workdir, ignore_errors=True)
-    else:
-        print(f"\n[operator e2e] kept {workdir} for inspection", flush=True)
 
 
 @pytest.fixture(scope="session")
 def operator(cluster, helm_bin) -> Operator:
-    cluster.kubectl("create", "namespace", OPERATOR_NS)
-    rendered = render_chart(helm_bin)
-    (cluster.dir / "chart-rendered.yaml").write_text(rendered)
-    cluster.kubectl("apply", "--dry-run=server", "-f", "-", input=rendered)
-    cluster.kubectl("apply", "-f", "-", input=rendered)
-    op = Operator(cluster)
-    op.scale(1, timeout=120)
-    return op
-
-
+    return install_operator(cluster, helm_bin)

@@ -2,10 +2,13 @@
 be ambiguous next to tests/conftest.py and tests/kernels/conftest.py in a whole-tree run)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -21,6 +24,8 @@ OPERATOR_NS = "tandem-system"
 RELEASE = "tandem-operator"
 OPERATOR_SA = f"system:serviceaccount:{OPERATOR_NS}:{RELEASE}"
 MOCK_BIN = ROOT / "tests" / "operator" / "mock_bin"
+#: Pods of this image run the MOCK `tandem serve` even where the real one exists (see conftest.py).
+MOCK_IMAGE = "local/tandem-mock-worker:test"
 
 
 def real_worker_available() -> bool:
@@ -54,10 +59,54 @@ def _can_run_cluster() -> str | None:
 
 def render_chart(helm_bin: str, *sets: str) -> str:
     args = [helm_bin, "template", RELEASE, str(ROOT / "charts/tandem-operator"), "-n", OPERATOR_NS,
-            "--set", "resyncSeconds=5", "--set", "image.repository=local/tandem-operator"]
+            "--set", "resyncSeconds=5", "--set", "image.repository=local/tandem-operator",
+            # the autoscaler's windows short enough for tests (test manifests keep theirs <= 20 s)
+            "--set", "autoscaler.intervalSeconds=2", "--set", "autoscaler.windowSeconds=10",
+            "--set", "autoscaler.leaseDurationSeconds=8"]
     for s in sets:
         args += ["--set", s]
     return subprocess.run(args, check=True, capture_output=True, text=True).stdout
+
+
+@contextlib.contextmanager
+def running_cluster(request, worker_kind: str, label: str = "operator e2e"):
+    """The test cluster with crds/ applied (``kubectl apply --server-side``), stopped by PID on exit; its
+    files are kept when a test of the session failed (or TANDEM_KEEP_CLUSTER is set). The operator
+    suite holds it for the session, the e2e suite for its module: one cluster at a time (both pick
+    the subnet from the PID)."""
+    why = _can_run_cluster()
+    if why:
+        pytest.skip(why)
+    extra = [] if worker_kind == "real" else [str(MOCK_BIN)]
+    print(f"\n[{label}] worker pods run the {worker_kind.upper()} `tandem serve`", flush=True)
+    # Not under pytest's basetemp: other pytest sessions on the machine rotate /tmp/pytest-of-<user>
+    # and would delete etcd's data and the pods' files under a running cluster.
+    workdir = Path(tempfile.mkdtemp(prefix="tandem-operator-e2e-"))
+    print(f"[{label}] cluster files (logs, audit log, pods) in {workdir}", flush=True)
+    failed_before = request.session.testsfailed
+    c = Cluster(workdir, pod_path_prepend=extra, image_paths={MOCK_IMAGE: str(MOCK_BIN)})
+    with c:
+        c.kubectl("apply", "--server-side", "-f", str(ROOT / "crds"))
+        c.kubectl("wait", "--for=condition=established", "--timeout=60s",
+                  "crd/inferencepools.serving.tandem.dev", "crd/clusterkopfpeerings.kopf.dev")
+        yield c
+    if request.session.testsfailed == failed_before and not os.environ.get("TANDEM_KEEP_CLUSTER"):
+        shutil.rmtree(workdir, ignore_errors=True)
+    else:
+        print(f"\n[{label}] kept {workdir} for inspection", flush=True)
+
+
+def install_operator(cluster: Cluster, helm_bin: str, *sets: str) -> "Operator":
+    """The chart rendered (``helm template``), checked by a server dry run and applied: the operator runs
+    as the chart's Deployment, a pod of the node agent, under the chart's ServiceAccount."""
+    cluster.kubectl("create", "namespace", OPERATOR_NS)
+    rendered = render_chart(helm_bin, *sets)
+    (cluster.dir / "chart-rendered.yaml").write_text(rendered)
+    cluster.kubectl("apply", "--dry-run=server", "-f", "-", input=rendered)
+    cluster.kubectl("apply", "-f", "-", input=rendered)
+    op = Operator(cluster)
+    op.scale(1, timeout=120)
+    return op
 
 
 class Operator:

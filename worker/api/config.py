@@ -184,6 +184,9 @@ class RouterSpec(_Model):
         "prefix-affinity", description="How the prefill worker is chosen.")
     remotePrefillMinTokens: int = Field(256, ge=0, le=1048576, description=(
         "Prompts shorter than this are prefilled on the decode worker itself."))
+    queueTimeoutSeconds: float = Field(300, gt=0, le=3600, description=(
+        "Seconds the router holds a request while no decode worker is ready (scale from zero, a "
+        "restart) before answering 503; longer than a GPU worker's start-up."))
     resources: ResourceRequirements = Field(default_factory=ResourceRequirements, description=(
         "Container resources of each router pod."))
     apiKeySecretRef: Optional[SecretRef] = Field(None, description=(

@@ -44,7 +44,10 @@ class Router:
         discovery: where the workers are (``prefill_urls()``, ``decode_urls()``).
         remote_prefill_min_tokens, routing: the spec's router section.
         health_interval: seconds between worker health polls.
-        queue_timeout: seconds a request waits for a ready decode worker before a 503.
+        queue_timeout: seconds a request waits for a ready decode worker before a 503 (spec.router
+            .queueTimeoutSeconds).
+        ready_without_workers: report ready while no decode worker is (a scale-to-zero pool: the
+            router must take the first request, hold it and so wake the pool).
         max_model_len: the pool's context length in tokens, when the spec sets it: longer prompts are
             refused by their length in characters before tokenizing (the workers check tokens).
         max_request_bytes: the largest request body accepted (413 above it).
@@ -54,9 +57,10 @@ class Router:
 
     def __init__(self, pool: str, model_name: str, model_source: str, dtype: str, quantization: str,
                  tokenizer, block_size: int, discovery, remote_prefill_min_tokens: int = 256,
-                 routing: str = "prefix-affinity", health_interval: float = 1.0, queue_timeout: float = 30.0,
+                 routing: str = "prefix-affinity", health_interval: float = 1.0, queue_timeout: float = 300.0,
                  max_model_len: int | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-                 api_keys: auth.KeyStore | None = None, pool_secret: bytes | None = None):
+                 api_keys: auth.KeyStore | None = None, pool_secret: bytes | None = None,
+                 ready_without_workers: bool = False):
         self.model_name, self.tok, self.block_size = model_name, tokenizer, block_size
         self.char_limit = max_prompt_chars(tokenizer, max_model_len) if max_model_len else None
         self.max_request_bytes = max_request_bytes
@@ -65,6 +69,7 @@ class Router:
         self.discovery = discovery
         self.remote_min, self.routing = remote_prefill_min_tokens, routing
         self.health_interval, self.queue_timeout = health_interval, queue_timeout
+        self.ready_without_workers = ready_without_workers
         self.metrics = Metrics("router", pool)
         self.api_keys = api_keys
         self.worker_headers = auth.pool_headers(pool_secret)
@@ -146,7 +151,7 @@ class Router:
                             "quantization); its prompts are prefilled elsewhere", *key)
 
     async def ready(self, request):
-        ok = any(w.ready for w in self._states(self.discovery.decode_urls()))
+        ok = self.ready_without_workers or any(w.ready for w in self._states(self.discovery.decode_urls()))
         return web.json_response({"ready": ok}, status=200 if ok else 503)
 
     async def models(self, request):
@@ -210,7 +215,8 @@ class Router:
                 fp_worker = pick_decode(decodes, tried)   # the one decide() picks: hash for its model
                 return decide(decodes, self._states(self.discovery.prefill_urls()), len(ids),
                               hashes_for(fp_worker) if fp_worker else [], self.remote_min, self.routing,
-                              tried, self._rr)
+                              tried, self._rr,
+                              absorb_bursts=getattr(self.discovery, "absorb_bursts", lambda: False)())
             while True:
                 d = await self._wait_for_decode(decide_fn)
                 if d is None:
@@ -218,6 +224,7 @@ class Router:
                 self._rr += 1
                 self._log_refusals(d)
                 hashes = hashes_for(d.decode)
+                place = "remote" if d.prefill is not None else "local"
                 headers = {"Content-Type": "application/json", **self.worker_headers}
                 if d.prefill is not None:
                     headers[PREFILL_PEER_HEADER] = d.prefill.url
@@ -250,12 +257,13 @@ class Router:
                         if d.prefill:
                             d.prefill.remember(hashes)
                     if req.stream and upstream.status == 200:
-                        return await self._relay_stream(request, upstream, t0, client_usage)
-                    return await self._relay_full(upstream, t0, t_send)
+                        return await self._relay_stream(request, upstream, t0, client_usage, place)
+                    return await self._relay_full(upstream, t0, t_send, place)
         finally:
             self.in_flight -= 1
 
-    async def _relay_full(self, upstream: aiohttp.ClientResponse, t0: float, t_send: float) -> web.Response:
+    async def _relay_full(self, upstream: aiohttp.ClientResponse, t0: float, t_send: float,
+                          place: str) -> web.Response:
         async with upstream:
             body = await upstream.read()
             resp = web.Response(body=body, status=upstream.status,
@@ -270,11 +278,11 @@ class Router:
                 # the client waited for the router's own work too, before the worker saw the request
                 ttft = min(e2e, (t_send - t0) + worker_ttft)
                 self.metrics.observe_request(ttft if ttft == ttft else None, e2e,
-                                             int(usage.get("completion_tokens", 0)))
+                                             int(usage.get("completion_tokens", 0)), prefill=place)
             return resp
 
     async def _relay_stream(self, request, upstream: aiohttp.ClientResponse, t0: float,
-                            client_usage: bool) -> web.StreamResponse:
+                            client_usage: bool, place: str) -> web.StreamResponse:
         resp = web.StreamResponse(status=upstream.status, headers={
             k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS})
         await resp.prepare(request)
@@ -304,7 +312,7 @@ class Router:
                 return resp
         if buf:
             await resp.write(buf)
-        self.metrics.observe_request(timer.ttft, time.monotonic() - t0, num_tokens, timer.itls)
+        self.metrics.observe_request(timer.ttft, time.monotonic() - t0, num_tokens, timer.itls, prefill=place)
         await resp.write_eof()
         return resp
 

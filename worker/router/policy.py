@@ -49,7 +49,7 @@ class WorkerState:
 class Decision:
     decode: WorkerState
     prefill: WorkerState | None
-    reason: str    # remote | short_prompt | decode_cached | no_prefill_worker | model_mismatch
+    reason: str    # remote | short_prompt | decode_cached | no_prefill_worker | model_mismatch | absorb_burst
     #: ready prefill workers left out because their model fingerprint differs from the decode worker's
     refused: list[WorkerState] = field(default_factory=list)
 
@@ -77,13 +77,23 @@ def pick_prefill(prefills: list[WorkerState], hashes: list[bytes], routing: str 
     return max(within, key=lambda w: (w.matched_blocks(hashes), -w.in_flight, w.url))
 
 
+#: A decode worker has headroom for a burst's local prefill while at most this fraction of its KV
+#: blocks is held.
+BURST_HEADROOM_KV = 0.5
+
+
 def decide(decodes: list[WorkerState], prefills: list[WorkerState], num_tokens: int, hashes: list[bytes],
            remote_prefill_min_tokens: int, routing: str = "prefix-affinity", exclude: set[str] = frozenset(),
-           rr_counter: int = 0) -> Decision | None:
-    """Where one request goes; None when no decode worker is ready."""
+           rr_counter: int = 0, absorb_bursts: bool = False) -> Decision | None:
+    """Where one request goes; None when no decode worker is ready. ``absorb_bursts`` (the autoscaler's
+    decision, while new prefill replicas start): prefill locally on a decode worker with headroom
+    (at most BURST_HEADROOM_KV of its KV blocks held), after TokenScale (arXiv 2512.03416)."""
     decode = pick_decode(decodes, exclude)
     if decode is None:
         return None
+    if absorb_bursts and decode.num_blocks and \
+            decode.free_blocks >= (1 - BURST_HEADROOM_KV) * decode.num_blocks:
+        return Decision(decode, None, "absorb_burst")
     if num_tokens < remote_prefill_min_tokens:
         return Decision(decode, None, "short_prompt")
     if hashes and 2 * decode.matched_blocks(hashes) >= len(hashes):

@@ -12,10 +12,18 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from tandem.worker.api.auth import ENDPOINTS
 
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+# The autoscaler reads percentiles from these buckets (linear interpolation inside a bucket, as
+# Prometheus' histogram_quantile does), so between 20 ms and 2 s (TTFT) and 10 ms and 0.3 s (TPOT), where
+# SLO targets plausibly sit, consecutive edges are at most 25 % apart: an interpolated percentile is then
+# off by a fraction of that, inside a 10 % tolerance band around any target (docs/autoscaler-actuation.md).
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.025, 0.03, 0.035, 0.04, 0.05, 0.06, 0.075, 0.09, 0.1, 0.125, 0.15,
+                0.175, 0.2, 0.25, 0.3, 0.35, 0.4, 0.5, 0.6, 0.75, 0.9, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 5.0, 7.5,
                 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
-TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
-                7.5, 10.0, 20.0, 40.0, 80.0)
+TPOT_BUCKETS = (0.005, 0.01, 0.0125, 0.015, 0.0175, 0.02, 0.025, 0.03, 0.035, 0.04, 0.05, 0.06, 0.075, 0.09,
+                0.1, 0.125, 0.15, 0.175, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+                80.0)
+#: The router labels its TTFT by where the prompt was prefilled: the prefill pool scales on "remote".
+PREFILL_PLACES = ("remote", "local")
 E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                120.0, 240.0, 480.0, 960.0)
 
@@ -39,7 +47,14 @@ class Metrics:
         def hist(name, doc, buckets):
             return Histogram(name, doc, names, buckets=buckets, registry=r).labels(**self.labels)
 
-        self.ttft = hist("tandem:time_to_first_token_seconds", "Time to first token (s).", TTFT_BUCKETS)
+        if role == "router":   # by prefill place: the prefill pool's SLO is the TTFT of remote prefills
+            ttft = Histogram("tandem:time_to_first_token_seconds", "Time to first token (s), by where the "
+                             "prompt was prefilled (remote: a prefill worker; local: the decode worker).",
+                             names + ["prefill"], buckets=TTFT_BUCKETS, registry=r)
+            self.ttft_by_place = {p: ttft.labels(**self.labels, prefill=p) for p in PREFILL_PLACES}
+            self.ttft = self.ttft_by_place["local"]
+        else:
+            self.ttft = hist("tandem:time_to_first_token_seconds", "Time to first token (s).", TTFT_BUCKETS)
         self.itl = hist("tandem:inter_token_latency_seconds", "Gap between consecutive tokens (s).", TPOT_BUCKETS)
         self.tpot = hist("tandem:request_time_per_output_token_seconds",
                          "(E2E - TTFT) / (output tokens - 1) per request (s).", TPOT_BUCKETS)
@@ -71,16 +86,18 @@ class Metrics:
         for reason in ("stop", "length", "abort"):
             self.requests.labels(**self.labels, finished_reason=reason)
         if role == "router":
-            for decision in ("remote", "short_prompt", "decode_cached", "no_prefill_worker"):
+            for decision in ("remote", "short_prompt", "decode_cached", "no_prefill_worker", "model_mismatch",
+                             "absorb_burst"):
                 self.routing.labels(**self.labels, decision=decision)
         if engine is not None:
             r.register(_EngineCollector(engine, self.labels))
 
     def observe_request(self, ttft: float | None, e2e: float, num_output_tokens: int,
-                        itls: list[float] | None = None) -> None:
-        """Record one finished request's latencies (seconds). TPOT only with >= 2 output tokens."""
+                        itls: list[float] | None = None, prefill: str | None = None) -> None:
+        """Record one finished request's latencies (seconds). TPOT only with >= 2 output tokens.
+        ``prefill`` (router only): ``remote`` or ``local``, the TTFT series it goes to."""
         if ttft is not None:
-            self.ttft.observe(ttft)
+            (self.ttft_by_place[prefill] if prefill and hasattr(self, "ttft_by_place") else self.ttft).observe(ttft)
             if num_output_tokens >= 2:
                 self.tpot.observe((e2e - ttft) / (num_output_tokens - 1))
         self.e2e.observe(e2e)

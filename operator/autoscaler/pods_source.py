@@ -1,0 +1,182 @@
+"""The default metric source: every pod's /metrics, scraped directly (no Prometheus needed).
+
+Each tick the backend (the operator or the local fleet) names its targets: the router(s), and the
+prefill and decode workers with their state (ready, starting, draining). The source scrapes them all at
+once, keeps each target's scrapes for one window, and turns the difference between the newest scrape
+and the oldest one inside the window into a :class:`PoolSnapshot`:
+
+- latency: the percentile of the router's histograms (``role="router"``), from bucket increases summed
+  over router replicas: prefill's TTFT of remotely prefilled requests (``prefill="remote"``), decode's
+  TPOT (DESIGN.md: the router sees what the client sees);
+- arrivals: the router's ``tandem:router_routing_decisions_total`` (all decisions for decode, ``remote``
+  for prefill), per second over the window actually covered;
+- demand: prefill workers' ``tandem:prompt_tokens_computed_total`` and decode workers'
+  ``tandem:generation_tokens_total`` per second; running, waiting and KV usage from their gauges;
+- ``router_queued``: the routers' ``tandem:router_queued_requests``.
+
+Signals (snapshot.py): ``no_data`` when no router answered a fresh scrape, or the router has not been
+seen across enough of a window to difference (the first ticks after a start); ``idle`` when the routers
+answered, nothing arrived or finished in the window, no worker holds a request and the router queues
+none; ``ok`` otherwise (the latency may still be None: requests in flight or queued, none finished).
+"""
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Callable, Literal, Optional
+
+from .scrape import Scrape, add_buckets, buckets_delta, counter_delta, histogram_quantile, parse
+from .snapshot import PoolSnapshot, Role, RoleSnapshot
+
+WorkerState = Literal["ready", "starting", "draining"]
+
+TTFT = "tandem:time_to_first_token_seconds"
+TPOT = "tandem:request_time_per_output_token_seconds"
+ROUTED = "tandem:router_routing_decisions_total"
+E2E_COUNT = "tandem:e2e_request_latency_seconds_count"
+
+
+@dataclass(frozen=True)
+class Worker:
+    """One worker process or pod: its base URL (``http://ip:port``) and state."""
+    url: str
+    state: WorkerState = "ready"
+    name: str = ""
+
+
+@dataclass
+class Targets:
+    """What to scrape this tick."""
+    routers: list[str] = field(default_factory=list)
+    prefill: list[Worker] = field(default_factory=list)
+    decode: list[Worker] = field(default_factory=list)
+
+    def workers(self, role: Role) -> list[Worker]:
+        return self.prefill if role == "prefill" else self.decode
+
+
+def fetch_metrics(url: str, timeout: float) -> str:
+    """GET ``url``/metrics; raises OSError (URLError included) when it does not answer 200."""
+    with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=timeout) as r:
+        return r.read().decode()
+
+
+class PodsSource:
+    """Scrapes targets and builds snapshots over a sliding window.
+
+    Args:
+        window_s: the window rates and percentiles cover (seconds).
+        percentiles: the percentile (0..100) each role's target names, e.g. ``{"prefill": 90, "decode": 90}``.
+        timeout_s: per-scrape timeout (seconds).
+        stale_s: a router scrape older than this is no data (default: the window).
+        fetch: ``(url, timeout) -> exposition text``; the default is an HTTP GET of /metrics.
+        clock: wall-clock seconds (snapshot.at).
+    """
+
+    def __init__(self, window_s: float, percentiles: dict[str, float], timeout_s: float = 2.0,
+                 stale_s: Optional[float] = None, fetch: Callable[[str, float], str] = fetch_metrics,
+                 clock: Callable[[], float] = time.time):
+        if window_s <= 0:
+            raise ValueError(f"window_s must be positive, got {window_s}")
+        self.window_s, self.timeout_s = float(window_s), timeout_s
+        self.stale_s = stale_s if stale_s is not None else float(window_s)
+        self.percentiles = {"prefill": 90.0, "decode": 90.0, **percentiles}
+        self.fetch, self.clock = fetch, clock
+        self.history: dict[str, collections.deque[Scrape]] = {}
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="scrape")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False)
+
+    # ---- scraping ---------------------------------------------------------------------------
+    def _scrape(self, url: str) -> Scrape:
+        at = self.clock()
+        try:
+            return parse(self.fetch(url, self.timeout_s), at)
+        except Exception as e:  # noqa: BLE001 - any failure is "no data" for this target
+            return Scrape(at=at, ok=False, error=f"{type(e).__name__}: {e}")
+
+    def scrape(self, targets: Targets) -> None:
+        """Scrape every target once (concurrently) and keep the results; forget targets that left."""
+        urls = list(dict.fromkeys(targets.routers + [w.url for w in targets.prefill + targets.decode]))
+        for gone in set(self.history) - set(urls):
+            del self.history[gone]
+        for url, s in zip(urls, self._pool.map(self._scrape, urls)):
+            h = self.history.setdefault(url, collections.deque())
+            h.append(s)
+            # keep one scrape older than the window: the base of the next difference
+            while len(h) > 2 and h[1].at <= s.at - self.window_s:
+                h.popleft()
+
+    def _pair(self, url: str, now: float, router: bool = False) -> tuple[Optional[Scrape], Optional[Scrape]]:
+        """(newest ok scrape if fresh, oldest ok scrape no older than a window before it). A router's
+        scrape without the router's series is absent data, not zero traffic."""
+        ok = [s for s in self.history.get(url, ()) if s.ok and (not router or ROUTED in s.samples)]
+        if not ok or ok[-1].at < now - self.stale_s:
+            return None, None
+        new = ok[-1]
+        base = next((s for s in ok if s.at >= new.at - self.window_s and s is not new), None)
+        return new, base
+
+    # ---- the snapshot -----------------------------------------------------------------------
+    def observe(self, targets: Targets, rolling_out: bool = False) -> PoolSnapshot:
+        """Scrape now and return the snapshot of the last window."""
+        self.scrape(targets)
+        return self.snapshot(targets, rolling_out)
+
+    def snapshot(self, targets: Targets, rolling_out: bool = False) -> PoolSnapshot:
+        now = self.clock()
+        pairs = [self._pair(u, now, router=True) for u in targets.routers]
+        fresh = [(n, b) for n, b in pairs if n is not None]
+        queued = int(sum(n.sum("tandem:router_queued_requests") for n, _ in fresh))
+        # a window is covered once some router's base is at least half a window old
+        spans = [n.at - b.at for n, b in fresh if b is not None]
+        span = max(spans) if spans else 0.0
+        no_data = not fresh or span < self.window_s / 2
+        roles = {r: self._role(r, targets, fresh, span, no_data, now, queued) for r in ("prefill", "decode")}
+        return PoolSnapshot(at=now, prefill=roles["prefill"], decode=roles["decode"], router_queued=queued,
+                            rolling_out=rolling_out)
+
+    def _role(self, role: Role, targets: Targets, fresh, span: float, no_data: bool, now: float,
+              queued: int) -> RoleSnapshot:
+        workers = targets.workers(role)
+        counts = collections.Counter(w.state for w in workers)
+        common = dict(role=role, ready=counts["ready"], starting=counts["starting"], draining=counts["draining"])
+        if no_data:
+            return RoleSnapshot(signal="no_data", window_s=span, **common)
+        if role == "prefill":
+            buckets, arrivals = {}, 0.0
+            for n, b in fresh:
+                buckets = add_buckets(buckets, buckets_delta(n, b, TTFT, role="router", prefill="remote"))
+                arrivals += counter_delta(n, b, ROUTED, role="router", decision="remote")
+            demand_name = "tandem:prompt_tokens_computed_total"
+        else:
+            buckets, arrivals = {}, 0.0
+            for n, b in fresh:
+                buckets = add_buckets(buckets, buckets_delta(n, b, TPOT, role="router"))
+                arrivals += counter_delta(n, b, ROUTED, role="router")
+            demand_name = "tandem:generation_tokens_total"
+        finished = sum(counter_delta(n, b, E2E_COUNT, role="router") for n, b in fresh)
+        latency = histogram_quantile(self.percentiles[role] / 100.0, buckets) if buckets else None
+        demand = running = waiting = 0.0
+        kv: list[float] = []
+        for w in workers:
+            new, base = self._pair(w.url, now)
+            if new is None:
+                continue
+            demand += counter_delta(new, base, demand_name)
+            running += new.sum("tandem:num_requests_running")
+            waiting += new.sum("tandem:num_requests_waiting")
+            if w.state == "ready":
+                kv.append(new.sum("tandem:kv_cache_usage_perc"))
+        # a request the router holds is demand, not idleness: it waits for exactly these workers
+        idle = arrivals == 0 and finished == 0 and running == 0 and waiting == 0 and queued == 0
+        return RoleSnapshot(
+            signal="idle" if idle else "ok", window_s=span, arrivals_per_s=arrivals / span,
+            prompt_tokens_per_s=demand / span if role == "prefill" else 0.0,
+            output_tokens_per_s=demand / span if role == "decode" else 0.0,
+            running=running, waiting=waiting, kv_usage=sum(kv) / len(kv) if kv else 0.0,
+            latency=latency, **common)

@@ -1,0 +1,149 @@
+"""The Prometheus metric source: the same snapshot as :class:`PodsSource`, from the Prometheus HTTP API
+(``GET /api/v1/query``) over the series Prometheus scraped from the same pods.
+
+The built-in queries mirror the pods source over a ``[window]`` range (``rate`` and ``increase``
+handle counter resets; ``histogram_quantile`` is the same interpolation):
+
+- prefill latency: ``histogram_quantile(q, sum by (le) (rate(tandem:time_to_first_token_seconds_bucket
+  {role="router", pool=P, prefill="remote"}[W])))``; decode: the same over
+  ``tandem:request_time_per_output_token_seconds_bucket``. ``spec.autoscaling.metrics.queries.ttft`` and
+  ``.tpot`` replace them (any PromQL answering seconds; ``$pool``, ``$window`` and ``$quantile`` are
+  substituted);
+- arrivals from ``tandem:router_routing_decisions_total``, demand from the workers' token counters,
+  running, waiting and KV usage from their gauges, ``router_queued`` from the routers' gauge.
+
+Signals: ``no_data`` when Prometheus does not answer, or holds no current router series of the pool
+(a failed or stale scrape leaves the instant vector empty: Prometheus' staleness handling); ``idle``
+and ``ok`` as in the pods source. Replica counts (ready, starting, draining) come from the backend's
+targets, as Prometheus does not know which pod is draining.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+import urllib.parse
+import urllib.request
+from typing import Callable, Optional
+
+from .pods_source import Targets
+from .snapshot import PoolSnapshot, Role, RoleSnapshot
+
+
+class PrometheusError(Exception):
+    """Prometheus did not answer a query, or answered an error (message from the API)."""
+
+
+class PrometheusSource:
+    """Builds snapshots from PromQL.
+
+    Args:
+        url: Prometheus' base URL (``http://prometheus:9090``).
+        pool: the pool name (the ``pool`` label every tandem series carries).
+        window_s: the range of ``rate``/``increase`` (seconds; at least two scrape intervals).
+        percentiles: each role's target percentile (0..100).
+        queries: ``spec.autoscaling.metrics.queries`` (ttft / tpot overrides) or None.
+        timeout_s: per-query timeout (seconds).
+        clock: wall-clock seconds (snapshot.at and the query's evaluation time).
+    """
+
+    def __init__(self, url: str, pool: str, window_s: float, percentiles: dict[str, float], queries=None,
+                 timeout_s: float = 5.0, clock: Callable[[], float] = time.time):
+        self.url, self.pool, self.window_s = url.rstrip("/"), pool, float(window_s)
+        self.percentiles = {"prefill": 90.0, "decode": 90.0, **percentiles}
+        self.overrides = {"ttft": getattr(queries, "ttft", None), "tpot": getattr(queries, "tpot", None)}
+        self.timeout_s, self.clock = timeout_s, clock
+
+    def close(self) -> None:
+        pass
+
+    # ---- PromQL -----------------------------------------------------------------------------
+    def query(self, promql: str, at: Optional[float] = None) -> list[tuple[dict, float]]:
+        """An instant query: ``[(labels, value)]``. Raises PrometheusError."""
+        q = {"query": promql}
+        if at is not None:
+            q["time"] = f"{at:.3f}"
+        try:
+            with urllib.request.urlopen(f"{self.url}/api/v1/query?{urllib.parse.urlencode(q)}",
+                                        timeout=self.timeout_s) as r:
+                doc = json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            try:
+                doc = json.loads(e.read())
+            except ValueError:
+                raise PrometheusError(f"HTTP {e.code} for {promql!r}") from None
+        except (OSError, ValueError) as e:
+            raise PrometheusError(f"{type(e).__name__}: {e}") from None
+        if doc.get("status") != "success":
+            raise PrometheusError(f"{doc.get('errorType')}: {doc.get('error')} (query {promql!r})")
+        data = doc.get("data") or {}
+        if data.get("resultType") == "scalar":
+            return [({}, float(data["result"][1]))]
+        return [(s.get("metric") or {}, float(s["value"][1])) for s in data.get("result") or []]
+
+    def _scalar(self, promql: str, at: float) -> Optional[float]:
+        rows = self.query(promql, at)
+        vals = [v for _, v in rows if not math.isnan(v)]
+        return sum(vals) if vals else None
+
+    def _sel(self, role: str, **extra: str) -> str:
+        labels = {"pool": self.pool, "role": role, **extra}
+        return "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}"
+
+    def latency_query(self, role: Role) -> str:
+        w = f"{int(round(self.window_s))}s"
+        q = self.percentiles[role] / 100.0
+        metric = "ttft" if role == "prefill" else "tpot"
+        custom = self.overrides[metric]
+        if custom:
+            return custom.replace("$pool", self.pool).replace("$window", w).replace("$quantile", repr(q))
+        if role == "prefill":
+            sel, name = self._sel("router", prefill="remote"), "tandem:time_to_first_token_seconds_bucket"
+        else:
+            sel, name = self._sel("router"), "tandem:request_time_per_output_token_seconds_bucket"
+        return f"histogram_quantile({q}, sum by (le) (rate({name}{sel}[{w}])))"
+
+    # ---- the snapshot -----------------------------------------------------------------------
+    def observe(self, targets: Targets, rolling_out: bool = False) -> PoolSnapshot:
+        now = self.clock()
+        try:
+            present = self._scalar(f"count(tandem:router_routing_decisions_total{self._sel('router')})", now)
+            snap = None if not present else self._snapshot(targets, rolling_out, now)
+        except PrometheusError:
+            snap = None
+        if snap is None:
+            roles = {r: self._counts(r, targets, signal="no_data") for r in ("prefill", "decode")}
+            return PoolSnapshot(at=now, prefill=roles["prefill"], decode=roles["decode"], rolling_out=rolling_out)
+        return snap
+
+    @staticmethod
+    def _counts(role: Role, targets: Targets, **kw) -> RoleSnapshot:
+        ws = targets.workers(role)
+        return RoleSnapshot(role=role, ready=sum(w.state == "ready" for w in ws),
+                            starting=sum(w.state == "starting" for w in ws),
+                            draining=sum(w.state == "draining" for w in ws), **kw)
+
+    def _snapshot(self, targets: Targets, rolling_out: bool, now: float) -> PoolSnapshot:
+        w = f"{int(round(self.window_s))}s"
+        r = self._sel("router")
+        queued = int(self._scalar(f"sum(tandem:router_queued_requests{r})", now) or 0)
+        finished = self._scalar(f"sum(increase(tandem:e2e_request_latency_seconds_count{r}[{w}]))", now) or 0.0
+        roles = {}
+        for role in ("prefill", "decode"):
+            routed = self._sel("router", decision="remote") if role == "prefill" else r
+            arrivals = self._scalar(f"sum(rate(tandem:router_routing_decisions_total{routed}[{w}]))", now) or 0.0
+            counter = "tandem:prompt_tokens_computed_total" if role == "prefill" else "tandem:generation_tokens_total"
+            demand = self._scalar(f"sum(rate({counter}{self._sel(role)}[{w}]))", now) or 0.0
+            running = self._scalar(f"sum(tandem:num_requests_running{self._sel(role)})", now) or 0.0
+            waiting = self._scalar(f"sum(tandem:num_requests_waiting{self._sel(role)})", now) or 0.0
+            kv = self._scalar(f"avg(tandem:kv_cache_usage_perc{self._sel(role)})", now) or 0.0
+            latency = self._scalar(self.latency_query(role), now)
+            idle = arrivals == 0 and finished == 0 and running == 0 and waiting == 0 and queued == 0
+            roles[role] = self._counts(
+                role, targets, signal="idle" if idle else "ok", window_s=self.window_s, arrivals_per_s=arrivals,
+                prompt_tokens_per_s=demand if role == "prefill" else 0.0,
+                output_tokens_per_s=demand if role == "decode" else 0.0,
+                running=running, waiting=waiting, kv_usage=kv,
+                latency=latency if latency is not None and math.isfinite(latency) else None)
+        return PoolSnapshot(at=now, prefill=roles["prefill"], decode=roles["decode"], router_queued=queued,
+                            rolling_out=rolling_out)

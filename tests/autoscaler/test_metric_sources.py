@@ -1,0 +1,155 @@
+"""The pods metric source: real exposition text from the project's own metric classes (the router's and a
+worker's), read through prometheus_client's parser, differenced over a window.
+
+The scrape function here reads the text of in-process ``Metrics`` registries instead of an HTTP GET
+(a stand-in for the network, named as such); the HTTP path is covered by the local-fleet test."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tandem.operator.autoscaler.pods_source import PodsSource, Targets, Worker
+from tandem.operator.autoscaler.scrape import histogram_quantile, parse
+from tandem.worker.server.metrics import TPOT_BUCKETS, TTFT_BUCKETS, Metrics
+
+
+def test_histogram_quantile_interpolates_inside_the_bucket():
+    # 10 observations: 4 in (0, 0.1], 6 in (0.1, 0.2]
+    b = {0.1: 4, 0.2: 10, math.inf: 10}
+    assert histogram_quantile(0.5, b) == pytest.approx(0.1 + 0.1 * (5 - 4) / 6)
+    assert histogram_quantile(0.2, b) == pytest.approx(0.05)
+    assert histogram_quantile(0.9, {0.1: 0, math.inf: 5}) == 0.1   # +Inf bucket: highest finite edge
+    assert histogram_quantile(0.9, {0.1: 0, math.inf: 0}) is None
+    with pytest.raises(ValueError):
+        histogram_quantile(90, b)
+
+
+def test_buckets_straddle_plausible_targets():
+    """Where SLO targets sit, consecutive edges are at most 25 % apart (see metrics.py)."""
+    for buckets, lo, hi in ((TTFT_BUCKETS, 0.02, 2.0), (TPOT_BUCKETS, 0.01, 0.3)):
+        inside = [b for b in buckets if lo <= b <= hi]
+        assert all(b / a <= 1.25 + 1e-9 for a, b in zip(inside, inside[1:])), inside
+
+
+class Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+
+def _fleet():
+    router = Metrics("router", "p")
+    prefill = Metrics("prefill", "p")
+    decode = Metrics("decode", "p")
+    return router, prefill, decode
+
+
+def _source(regs: dict, clock, window=10.0):
+    def fetch(url, timeout):   # stand-in for GET url/metrics
+        if regs.get(url) is None:
+            raise ConnectionRefusedError(url)
+        return regs[url].render().decode()
+    return PodsSource(window, {"prefill": 90, "decode": 90}, fetch=fetch, clock=clock)
+
+
+def test_rates_and_percentiles_come_from_the_window():
+    router, prefill, decode = _fleet()
+    regs = {"r": router, "p": prefill, "d": decode}
+    clock = Clock()
+    src = _source(regs, clock)
+    t = Targets(routers=["r"], prefill=[Worker("p")], decode=[Worker("d", "ready"), Worker("d2", "starting")])
+    # history before the window: a slow request that must not count
+    router.observe_request(5.0, 60.0, 10, prefill="remote")
+    snap = src.observe(t)
+    assert snap.decode.signal == "no_data"         # one scrape: no difference yet
+    clock.t += 10
+    for i in range(10):
+        router.routing.labels(**router.labels, decision="remote").inc()
+        router.observe_request(0.1 if i < 5 else 0.3, 0.1 + 20 * 0.05, 21, prefill="remote")
+    router.observe_request(9.0, 10.0, 2, prefill="local")   # a local prefill: not the prefill pool's TTFT
+    router.routing.labels(**router.labels, decision="short_prompt").inc()
+    snap = src.observe(t)
+    assert snap.decode.signal == "ok" and snap.prefill.signal == "ok"
+    assert snap.decode.window_s == pytest.approx(10)
+    assert snap.prefill.arrivals_per_s == pytest.approx(1.0)
+    assert snap.decode.arrivals_per_s == pytest.approx(1.1)
+    # p90 TTFT of the 10 remote requests: 5 at 0.1 and 5 at 0.3 -> in the (0.25, 0.3] bucket
+    assert 0.25 < snap.prefill.latency <= 0.3
+    # TPOT (e2e - ttft) / 20 = 0.05 (remote ones) and ~0.5 (the local one): p90 rank 9.9 of 11
+    assert 0.04 < snap.decode.latency <= 0.05
+    assert (snap.decode.ready, snap.decode.starting) == (1, 1)
+    assert snap.router_queued == 0
+
+
+def test_idle_and_no_data_are_told_apart():
+    router, prefill, decode = _fleet()
+    regs = {"r": router, "p": prefill, "d": decode}
+    clock = Clock()
+    src = _source(regs, clock)
+    t = Targets(routers=["r"], prefill=[Worker("p")], decode=[Worker("d")])
+    src.observe(t)
+    clock.t += 10
+    snap = src.observe(t)
+    assert (snap.prefill.signal, snap.decode.signal) == ("idle", "idle")
+    assert snap.decode.latency is None
+    regs["r"] = None            # the router stops answering: no data, however idle it was
+    clock.t += 2
+    snap = src.observe(t)
+    # the last good scrape is 2 s old, still fresh within the window
+    assert snap.decode.signal == "idle"
+    clock.t += 11
+    snap = src.observe(t)
+    assert (snap.prefill.signal, snap.decode.signal) == ("no_data", "no_data")
+
+
+def test_queued_requests_and_counter_resets():
+    router, prefill, decode = _fleet()
+    regs = {"r": router}
+    clock = Clock()
+    src = _source(regs, clock)
+    t = Targets(routers=["r"])
+    for _ in range(3):
+        router.routing.labels(**router.labels, decision="remote").inc()
+    src.observe(t)
+    clock.t += 10
+    fresh = Metrics("router", "p")          # the router restarted: its counters start again at 0
+    fresh.routing.labels(**fresh.labels, decision="remote").inc()
+    fresh.router_queued.set(2)
+    regs["r"] = fresh
+    snap = src.observe(t)
+    assert snap.prefill.arrivals_per_s == pytest.approx(0.1)   # counted from 0, not -2
+    assert snap.router_queued == 2
+    assert (snap.decode.ready, snap.decode.starting) == (0, 0)
+
+
+def test_parse_rejects_garbage():
+    with pytest.raises(ValueError):
+        parse("this is {not exposition", 0.0)
+
+
+def test_a_queued_request_is_not_idleness():
+    router = Metrics("router", "p")
+    clock = Clock()
+    src = _source({"r": router}, clock)
+    t = Targets(routers=["r"], decode=[Worker("d", "starting")])
+    src.observe(t)
+    router.router_queued.set(1)
+    clock.t += 10
+    snap = src.observe(t)
+    assert snap.decode.signal == "ok" and snap.decode.latency is None and snap.router_queued == 1
+
+
+def test_a_router_scrape_without_router_series_is_no_data():
+    router = Metrics("router", "p")
+    worker = Metrics("decode", "p")
+    clock = Clock()
+    regs = {"r": router}
+    src = _source(regs, clock)
+    t = Targets(routers=["r"])
+    src.observe(t)
+    clock.t += 10
+    regs["r"] = worker         # answers, but not as a router: nothing to read the pool's latency from
+    assert src.observe(t).decode.signal == "no_data"

@@ -1,0 +1,39 @@
+"""The router's side of autoscaling: workers found at run time from the local fleet's discovery file,
+and burst absorption (local prefill on decode workers with headroom) when the autoscaler asks."""
+from __future__ import annotations
+
+import json
+import os
+
+from tandem.worker.router.discovery import FileDiscovery, make_discovery
+from tandem.worker.router.policy import WorkerState, decide
+
+
+def _write(path, d):
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(d))
+    os.replace(tmp, path)
+
+
+def test_the_file_is_read_again_when_it_changes(tmp_path):
+    f = tmp_path / "d.json"
+    _write(f, {"prefill": ["http://p0"], "decode": []})
+    d = make_discovery({"mode": "static", "file": str(f)})
+    assert isinstance(d, FileDiscovery)
+    assert d.prefill_urls() == ["http://p0"] and d.decode_urls() == []
+    _write(f, {"prefill": ["http://p0"], "decode": ["http://d0", "http://d1"], "absorbBursts": True})
+    assert d.decode_urls() == ["http://d0", "http://d1"] and d.absorb_bursts()
+    f.write_text('{"prefill": [')            # half-written: the last good lists stay
+    assert d.decode_urls() == ["http://d0", "http://d1"]
+    f.unlink()                                # gone: the same
+    assert d.prefill_urls() == ["http://p0"]
+
+
+def test_burst_absorption_prefills_locally_only_with_headroom():
+    prefill = [WorkerState("http://p", num_blocks=100, free_blocks=100)]
+    roomy = WorkerState("http://d", num_blocks=100, free_blocks=80)
+    full = WorkerState("http://d", num_blocks=100, free_blocks=20)
+    hashes = [b"a", b"b"]
+    assert decide([roomy], prefill, 64, hashes, 0).reason == "remote"
+    assert decide([roomy], prefill, 64, hashes, 0, absorb_bursts=True).reason == "absorb_burst"
+    assert decide([full], prefill, 64, hashes, 0, absorb_bursts=True).reason == "remote"
