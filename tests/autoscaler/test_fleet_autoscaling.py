@@ -54,7 +54,6 @@ def _summary(proc: subprocess.Popen, out: Path) -> dict:
 
 def _single_tpot(url: str, n: int = 48) -> float:
     """TPOT of one request alone, from its stream: (E2E - TTFT) / (tokens - 1)."""
-    t0 = time.monotonic()
     r = requests.post(url + "/v1/completions", stream=True, timeout=300, json={
         "model": MODEL, "prompt": "Once upon a time", "max_tokens": n, "ignore_eos": True, "stream": True})
     first = None
@@ -147,7 +146,6 @@ def test_decode_scales_up_under_load_then_drains_a_busy_worker(tmp_path):
         assert d["drained"] is True                  # ... and finished before it was stopped
         assert [p.name for p in fleet.workers("decode")] != [] and \
             d["name"] not in [p.name for p in fleet.workers("decode")]
-        assert metric(fleet.endpoint, "tandem:request_success_total") >= 0   # the router still answers
     finally:
         if shadow is not None:
             shadow.stop()

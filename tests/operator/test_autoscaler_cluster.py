@@ -13,8 +13,6 @@ replicas with one Lease holder writing, then a takeover when it dies.
 """
 from __future__ import annotations
 
-import copy
-import json
 import os
 import signal
 import threading
