@@ -16,6 +16,20 @@ from operator_helpers import (ROOT, Operator, install_operator, real_worker_avai
                               running_cluster)
 
 
+def pytest_collection_modifyitems(config, items):
+    """The story runs with TANDEM_E2E=1 (scripts/e2e.sh sets it). It is not yet a CI gate: its
+    scale-down half (step 7) has not passed on the shared 2-core machine it was written on, where a
+    trickle of long requests kept decode's TPOT above the target (docs/e2e.md, issue 12's note)."""
+    if os.environ.get("TANDEM_E2E") == "1":
+        return
+    skip = pytest.mark.skip(reason="the whole-story test runs with TANDEM_E2E=1 (scripts/e2e.sh); "
+                                   "not yet a CI gate (docs/e2e.md)")
+    here = Path(__file__).parent
+    for item in items:   # a conftest's hook sees the whole session's items: only this folder's
+        if here in Path(str(item.fspath)).parents:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="module")
 def helm_bin() -> str:
     return subprocess.run(["bash", str(ROOT / "scripts/cluster/get_helm.sh")], check=True, capture_output=True,
