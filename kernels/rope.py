@@ -18,8 +18,10 @@ def build_cos_sin_cache(head_dim: int, max_position: int, base: float,
     """Precompute ``[max_position, head_dim]``: cos in the first half of the last dim, sin in the second.
 
     ``rope_scaling`` may be None, ``{"rope_type": "llama3", factor, low_freq_factor, high_freq_factor,
-    original_max_position_embeddings}`` (Llama 3.1), or ``{"rope_type": "linear", "factor": f}``.
-    Raises ValueError for another rope_type.
+    original_max_position_embeddings}`` (Llama 3.1), ``{"rope_type": "linear", "factor": f}``, or
+    ``{"rope_type": "freq_factors", "factors": [head_dim / 2 floats]}`` (a GGUF's ``rope_freqs``
+    tensor: each frequency divided by its factor, as llama.cpp's ``rope_ext`` does).
+    Raises ValueError for another rope_type or a factor list of the wrong length.
     """
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     if rope_scaling:
@@ -38,8 +40,14 @@ def build_cos_sin_cache(head_dim: int, max_position: int, base: float,
             inv_freq = torch.where(medium, smoothed, scaled)
         elif kind == "linear":
             inv_freq = inv_freq / rope_scaling["factor"]
+        elif kind == "freq_factors":
+            factors = torch.tensor(rope_scaling["factors"], dtype=torch.float64)
+            if factors.shape != inv_freq.shape:
+                raise ValueError(f"rope freq_factors: {factors.numel()} factors for head_dim {head_dim} "
+                                 f"(expected {inv_freq.numel()})")
+            inv_freq = inv_freq / factors
         elif kind not in (None, "default"):
-            raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: llama3, linear)")
+            raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: llama3, linear, freq_factors)")
     t = torch.arange(max_position, dtype=torch.float64)
     freqs = torch.outer(t, inv_freq)
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(dtype=dtype, device=device)

@@ -15,6 +15,7 @@ from typing import Any, Optional
 import yaml
 
 from . import spec as S
+from tandem.worker.api.config import startup_seconds
 
 LABEL_POOL = "serving.tandem.dev/pool"
 LABEL_ROLE = "serving.tandem.dev/role"
@@ -148,6 +149,16 @@ def service(pool: S.InferencePool, role: str) -> dict[str, Any]:
             "spec": spec}
 
 
+def startup_probe(sp, role: str) -> dict[str, Any]:
+    """The startup probe: ``/health`` answers 503 while a worker loads (its phase in the body), so a
+    worker gets ``startup_seconds`` (300 s + 60 s per GiB of ``spec.model.size``) before the kubelet
+    restarts it; the router, which loads only a tokenizer, gets 600 s."""
+    period = 10
+    seconds = startup_seconds(sp.model) if role != "router" else 600
+    return {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": period,
+            "failureThreshold": -(-seconds // period), "timeoutSeconds": 2}
+
+
 def deployment(pool: S.InferencePool, role: str, replicas: int) -> dict[str, Any]:
     name = pool.metadata.name
     sp = pool.spec
@@ -192,8 +203,7 @@ def deployment(pool: S.InferencePool, role: str, replicas: int) -> dict[str, Any
         "terminationMessagePolicy": "FallbackToLogsOnError",
         "ports": ports,
         "resources": _resources(res),
-        "startupProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5,
-                         "failureThreshold": 120, "timeoutSeconds": 2},
+        "startupProbe": startup_probe(sp, role),
         "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10,
                           "failureThreshold": 6, "timeoutSeconds": 5},
         "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 5,
@@ -224,7 +234,7 @@ def deployment(pool: S.InferencePool, role: str, replicas: int) -> dict[str, Any
             "replicas": replicas,
             "selector": {"matchLabels": selector(name, role)},
             "revisionHistoryLimit": 3,
-            "progressDeadlineSeconds": 900,
+            "progressDeadlineSeconds": max(900, startup_seconds(sp.model) + 300) if worker else 900,
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
             "template": {"metadata": tmpl_meta, "spec": pod_spec},
         },

@@ -55,15 +55,17 @@ def start_fleet(overrides: dict | None = None, name: str = "e2e", pool_secret: b
 
 
 def start_worker(role: str = "both", name: str = "e2e-both",
-                 overrides: dict | None = None) -> tuple[subprocess.Popen, str]:
-    """One ``tandem serve`` process from the example manifest's worker config (with ``overrides``)."""
+                 overrides: dict | None = None, log=None) -> tuple[subprocess.Popen, str]:
+    """One ``tandem serve`` process from the example manifest's worker config (with ``overrides``);
+    its output goes to ``log`` (an open file) when given."""
     from tandem.operator.spec import load_manifest, worker_config
     pool = load_manifest(example_manifest(overrides, name))
     cfg = Path(tempfile.mkdtemp()) / "worker.yaml"
     cfg.write_text(worker_config(pool, role).to_yaml())
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "tandem.worker.cli", "serve", "--role", role, "--config",
-                             str(cfg), "--port", str(port), "--kv-port", "0"], start_new_session=True)
+                             str(cfg), "--port", str(port), "--kv-port", "0"], start_new_session=True,
+                            stdout=log, stderr=subprocess.STDOUT if log is not None else None)
     url = f"http://127.0.0.1:{port}"
     t_end = time.monotonic() + 300
     while time.monotonic() < t_end:

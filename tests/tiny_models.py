@@ -3,6 +3,7 @@ tokenizer trained on a few sentences, saved as real Hugging Face directories (co
 model.safetensors, tokenizer.json) so the engine loads them through its normal path."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -102,3 +103,145 @@ def build_sentencepiece_gguf(path: Path, tokenizer_model: str = "llama") -> Path
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def llama3_rope_freqs(rope_scaling: dict, head_dim: int, theta: float) -> "np.ndarray":
+    """The ``rope_freqs`` tensor llama.cpp's ``convert_hf_to_gguf.py`` (``LlamaModel
+    .generate_extra_tensors``) writes for a ``llama3`` rope_scaling: one divisor per frequency."""
+    import math
+
+    import numpy as np
+    freqs = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    factor = rope_scaling.get("factor", 8.0)
+    low, high = rope_scaling.get("low_freq_factor", 1.0), rope_scaling.get("high_freq_factor", 4.0)
+    old = rope_scaling.get("original_max_position_embeddings", 8192)
+    out = []
+    for f in freqs:
+        wavelen = 2 * math.pi / f
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def hf_to_gguf(hf_dir: Path, out: Path, rope_freqs: bool = True) -> Path:
+    """Convert a tiny Llama HF directory (from :func:`build_model`) to an F32 GGUF the way llama.cpp's
+    converter does: Q/K rows permuted to llama.cpp's interleaved RoPE layout, the byte-level BPE
+    tokenizer as ``gpt2`` metadata, and, for a ``llama3`` rope_scaling, the ``rope_freqs`` tensor
+    (left out with ``rope_freqs=False``: a converter that drops it, i.e. the wrong RoPE)."""
+    import json
+
+    import gguf
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    tj = json.loads((hf_dir / "tokenizer.json").read_text())
+    heads, kv_heads, hidden = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["hidden_size"]
+    head_dim = cfg.get("head_dim") or hidden // heads
+    vocab = sorted(tj["model"]["vocab"].items(), key=lambda kv: kv[1])
+    added = {t["id"]: t["content"] for t in tj.get("added_tokens", [])}
+    tokens = [added.get(i, t) for t, i in vocab]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tj["model"]["merges"]]
+    w = gguf.GGUFWriter(str(out), "llama")
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(hidden)
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_dimension_count(head_dim)
+    theta = cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+    w.add_rope_freq_base(theta)
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if i in added else 1 for i in range(len(tokens))])
+    w.add_token_merges(merges)
+    w.add_bos_token_id(cfg["bos_token_id"])
+    w.add_eos_token_id(cfg["eos_token_id"])
+
+    def permute(x, n):   # convert_hf_to_gguf.py LlamaModel.permute
+        return x.reshape(n, 2, x.shape[0] // n // 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
+
+    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+             "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down"}
+    scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}   # transformers 5: rope_parameters
+    if rope_freqs and scaling.get("rope_type") == "llama3":
+        w.add_tensor("rope_freqs.weight", llama3_rope_freqs(scaling, head_dim, theta))
+    for name, t in sorted(load_file(str(hf_dir / "model.safetensors")).items()):
+        t = t.astype(np.float32)
+        if name == "model.embed_tokens.weight":
+            gname = "token_embd.weight"
+        elif name == "model.norm.weight":
+            gname = "output_norm.weight"
+        elif name == "lm_head.weight":
+            gname = "output.weight"
+        else:
+            _, _, layer, rest = name.split(".", 3)
+            module = rest.rsplit(".", 1)[0]
+            gname = f"blk.{layer}.{names[module]}.weight"
+            if module == "self_attn.q_proj":
+                t = permute(t, heads)
+            elif module == "self_attn.k_proj":
+                t = permute(t, kv_heads)
+        w.add_tensor(gname, np.ascontiguousarray(t))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def write_random_llama(path: Path, layers: int = 8, hidden: int = 2048, inter: int = 5632, heads: int = 16,
+                       kv_heads: int = 4, vocab: int = 32000, dtype=torch.bfloat16, seed: int = 0,
+                       tie: bool = False) -> int:
+    """A Llama-style HF directory with random ``dtype`` weights (one safetensors file) and the tiny
+    tokenizer; returns the weights' bytes. The defaults,
+    8 x 2048 with a 32000 vocabulary, are ~0.49B parameters, ~1 GB in bf16; Llama-3.2-1B's shape is
+    ``layers=16, inter=8192, heads=32, kv_heads=8, vocab=128256, tie=True``."""
+    from safetensors.torch import save_file
+    from tiny_models import build_tokenizer
+
+    path.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer(path)
+    hd = hidden // heads
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
+    if not tie:
+        shapes["lm_head.weight"] = (vocab, hidden)
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (hidden,), p + "post_attention_layernorm.weight": (hidden,),
+                       p + "self_attn.q_proj.weight": (heads * hd, hidden),
+                       p + "self_attn.k_proj.weight": (kv_heads * hd, hidden),
+                       p + "self_attn.v_proj.weight": (kv_heads * hd, hidden),
+                       p + "self_attn.o_proj.weight": (hidden, heads * hd),
+                       p + "mlp.gate_proj.weight": (inter, hidden), p + "mlp.up_proj.weight": (inter, hidden),
+                       p + "mlp.down_proj.weight": (hidden, inter)})
+    tensors = {}
+    for name, shape in shapes.items():
+        t = torch.empty(shape, dtype=torch.float32)
+        if len(shape) == 1:
+            t.normal_(1.0, 0.05, generator=g)
+        else:
+            t.normal_(0.0, 1.0 / hidden ** 0.5, generator=g)
+        tensors[name] = t.to(dtype)
+        del t
+    save_file(tensors, str(path / "model.safetensors"))
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    del tensors
+    (path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab,
+        "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": tie,
+        "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id,
+        "torch_dtype": str(dtype).removeprefix("torch.")}))
+    return nbytes

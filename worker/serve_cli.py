@@ -65,7 +65,9 @@ def engine_config(cfg):
                         model_name=cfg.model.name, **kw)
 
 
-async def _run_site(app: web.Application, host: str, port: int, on_signal) -> None:
+async def _run_site(app: web.Application, host: str, port: int, on_signal, background=None) -> None:
+    """Serve ``app`` until ``on_signal(stop)`` (SIGTERM, SIGINT) sets ``stop``; ``background(stop)``
+    runs beside it (the worker's engine startup)."""
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
@@ -74,7 +76,10 @@ async def _run_site(app: web.Application, host: str, port: int, on_signal) -> No
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda: asyncio.ensure_future(on_signal(stop)))
     print(f"tandem serve: listening on http://{host}:{port}", flush=True)
+    task = asyncio.ensure_future(background(stop)) if background is not None else None
     await stop.wait()
+    if task is not None and not task.done():
+        task.cancel()
     await runner.cleanup()
 
 
@@ -82,6 +87,7 @@ async def _serve_worker(args, cfg) -> None:
     from tandem.worker.engine.async_engine import AsyncEngine
     from tandem.worker.engine.llm_engine import LLMEngine
     from tandem.worker.server.app import WorkerServer
+    from tandem.worker.server.startup import StartingWorker, StartupStatus
     from tandem.worker.transfer.tcp import KVTransferServer
 
     if cfg.engine.attentionBackend == "flash-attn":
@@ -89,20 +95,18 @@ async def _serve_worker(args, cfg) -> None:
         # termination message names the backend rather than whatever loading met first
         from tandem.kernels import flash
         flash.require()
-    engine = LLMEngine(engine_config(cfg))
-    aengine = AsyncEngine(engine)
-    aengine.start()
-    kv_server, kv_port = None, None
-    if args.role == "prefill":
-        kv_server = KVTransferServer(aengine, engine.kv_layout(), secret=args.pool_secret)
-        kv_port = await kv_server.start(args.host, args.kv_port if args.kv_port is not None else args.port + 1)
-        log.info("KV transfer server on %s:%d", args.host, kv_port)
-    server = WorkerServer(args.role, aengine, cfg.pool, engine.model_name, kv_server, kv_port,
-                          max_request_bytes=args.max_request_bytes, api_keys=args.api_keys,
-                          pool_secret=args.pool_secret)
+    # The port answers from the start: /health shows the startup phase (503) while the engine loads.
+    status = StartupStatus()
+    front = StartingWorker(args.role, status)
+    state: dict = {}
 
     async def on_signal(stop: asyncio.Event) -> None:
         """SIGTERM: drain (stop admitting, turn not-ready), wait for in-flight work, then exit."""
+        server, kv_server, aengine = state.get("server"), state.get("kv_server"), state.get("aengine")
+        if server is None:   # still starting: nothing to drain, and the load thread cannot be stopped
+            log.info("signal while starting (%s); exiting", status.phase)
+            logging.shutdown()
+            os._exit(0)
         server.start_drain()
         t_end = asyncio.get_running_loop().time() + args.drain_timeout
         while server.pending() and asyncio.get_running_loop().time() < t_end:
@@ -113,7 +117,31 @@ async def _serve_worker(args, cfg) -> None:
         aengine.stop()
         stop.set()
 
-    await _run_site(server.app(), args.host, args.port, on_signal)
+    async def start_engine(stop: asyncio.Event) -> None:
+        try:
+            engine = await asyncio.to_thread(LLMEngine, engine_config(cfg), None, status.update)
+        except BaseException as e:
+            front.error = f"{type(e).__name__}: {e}"
+            state["error"] = e
+            stop.set()
+            return
+        aengine = AsyncEngine(engine)
+        aengine.start()
+        kv_server, kv_port = None, None
+        if args.role == "prefill":
+            kv_server = KVTransferServer(aengine, engine.kv_layout(), secret=args.pool_secret)
+            kv_port = await kv_server.start(args.host, args.kv_port if args.kv_port is not None else args.port + 1)
+            log.info("KV transfer server on %s:%d", args.host, kv_port)
+        server = WorkerServer(args.role, aengine, cfg.pool, engine.model_name, kv_server, kv_port,
+                              max_request_bytes=args.max_request_bytes, api_keys=args.api_keys,
+                              pool_secret=args.pool_secret, startup=status)
+        state.update(server=server, kv_server=kv_server, aengine=aengine)
+        await front.attach(server)
+        status.ready()
+
+    await _run_site(front.app(args.max_request_bytes, args.api_keys, args.pool_secret), args.host, args.port, on_signal, start_engine)
+    if "error" in state:   # the load failed: exit with its error (the termination message names it)
+        raise state["error"]
 
 
 async def _serve_router(args, cfg) -> None:

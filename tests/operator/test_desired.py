@@ -97,3 +97,22 @@ def test_needs_apply_compares_before_applying():
     have["data"]["prefill.yaml"] = "edited"
     assert D.needs_apply(want, have)
     assert D.needs_apply(want, None)
+
+
+@pytest.mark.parametrize("size,seconds", [(None, 1260), ("16Gi", 1260), ("2Gi", 420), ("140Gi", 8700)])
+def test_the_startup_probe_covers_the_models_size(size, seconds):
+    """300 s plus 60 s per GiB of spec.model.size (16Gi when absent), for the workers only; the
+    Deployment's progress deadline never runs out before the probe does."""
+    def mutate(d):
+        if size:
+            d["spec"]["model"]["size"] = size
+    objs = by_key(D.desired_objects(pool(mutate), D.Capabilities(pdb_api_version="policy/v1")))
+    for role in ("prefill", "decode"):
+        dep = objs[("Deployment", f"smollm2-{role}")]["spec"]
+        probe = dep["template"]["spec"]["containers"][0]["startupProbe"]
+        assert probe["httpGet"]["path"] == "/health"
+        budget = probe["periodSeconds"] * probe["failureThreshold"]
+        assert seconds <= budget < seconds + probe["periodSeconds"]
+        assert dep["progressDeadlineSeconds"] >= budget
+    router = objs[("Deployment", "smollm2-router")]["spec"]["template"]["spec"]["containers"][0]["startupProbe"]
+    assert router["periodSeconds"] * router["failureThreshold"] == 600

@@ -133,6 +133,9 @@ class ModelSpec(_Model):
     quantization: Literal["none", "fp8"] = Field("none", description="Weight quantization.")
     maxModelLen: Optional[int] = Field(None, ge=16, le=1048576, description=(
         "Longest sequence (prompt + output) in tokens. Absent: the model's own context length."))
+    size: Optional[Quantity] = Field(None, description=(
+        "The weights' size on disk, e.g. 16Gi for Llama-3-8B in bf16. Sizes the workers' startup probe "
+        "(300 s + 60 s per GiB); absent: 16Gi."))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -220,6 +223,15 @@ def problems_of(err: ValidationError) -> list[tuple[str, str]]:
             msg = "unknown field"
         out.append((path or "<root>", msg))
     return out
+
+
+def startup_seconds(model: ModelSpec) -> int:
+    """How long a worker may take to start (read, convert, profile, capture), in seconds: 300 s plus
+    60 s per GiB of ``model.size`` (16Gi when absent: 1260 s). 60 s/GiB allows reading at ~17 MiB/s
+    from a cold network volume plus converting, profiling and graph capture, which grow with the
+    model; a 1B bf16 model loads from the page cache in seconds here (bench/RESULTS.md)."""
+    size = 16 * 2**30 if model.size is None else parse_quantity(model.size)
+    return int(300 + 60 * size / 2**30)
 
 
 def kv_cache_bytes(engine: EngineSpec) -> Optional[int]:

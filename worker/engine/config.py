@@ -6,6 +6,8 @@ from dataclasses import dataclass
 import torch
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+#: the KV cache of a CPU engine when ``kv_cache_bytes`` is not set
+CPU_DEFAULT_KV_BYTES = 256 * 1024 * 1024
 
 
 @dataclass
@@ -20,8 +22,11 @@ class EngineConfig:
         max_num_batched_tokens: the token budget of one step; prompts longer than this are prefilled
             in chunks (chunked prefill).
         max_num_seqs: the most sequences running at once.
-        kv_cache_bytes: KV cache size in bytes (used without a GPU, or when set).
-        gpu_memory_fraction: on CUDA, the fraction of device memory for weights + KV cache.
+        kv_cache_bytes: KV cache size in bytes, honoured on every device when set (None: on CUDA
+            what ``gpu_memory_fraction`` leaves, on the CPU ``CPU_DEFAULT_KV_BYTES``).
+        gpu_memory_fraction: on CUDA, the fraction of device memory for weights, activations, CUDA
+            graphs and KV cache (vLLM's ``gpu_memory_utilization``; see
+            :mod:`tandem.worker.engine.memory_plan`).
         num_kv_blocks: an explicit block count (tests); overrides the two above.
         enable_prefix_caching: reuse cached KV blocks across requests by block hash.
         attention_backend: ``auto`` | ``triton`` | ``flash-attn`` | ``torch``.
@@ -38,7 +43,7 @@ class EngineConfig:
     max_model_len: int = 0
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
-    kv_cache_bytes: int = 256 * 1024 * 1024
+    kv_cache_bytes: int | None = None
     gpu_memory_fraction: float = 0.9
     num_kv_blocks: int = 0
     enable_prefix_caching: bool = True
@@ -55,6 +60,13 @@ class EngineConfig:
             return DTYPES[self.dtype]
         except KeyError:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}") from None
+
+    def resolved_dtype(self) -> str:
+        """The serving dtype this engine runs in, decided here and only here: the weights are loaded
+        in it, the KV cache holds it, and the model fingerprint names it (so peers compare the dtype
+        actually served). Raises ValueError for an unknown name."""
+        self.torch_dtype()
+        return self.dtype
 
     def resolved_device(self) -> str:
         """``device`` with ``auto`` resolved."""

@@ -12,6 +12,7 @@ worker sampled (:meth:`LLMEngine.complete_remote`) or falls back to computing it
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -25,7 +26,8 @@ from tandem.worker.engine.config import EngineConfig
 from tandem.worker.engine.detokenizer import IncrementalDetokenizer
 from tandem.worker.api.tokenizer import chat_token_ids
 from tandem.worker.engine.loader import LoadedModel, load_model
-from tandem.worker.engine.model_runner import ModelRunner
+from tandem.worker.engine.model_identity import digest_of_weights
+from tandem.worker.engine.model_runner import ModelRunner, device_memory
 from tandem.worker.engine.sampler import SampleResult, sample
 from tandem.worker.engine.scheduler import Scheduler
 from tandem.worker.engine.sequence import InvalidRequestError, SamplingParams, Sequence, SeqStatus
@@ -72,25 +74,44 @@ class LLMEngine:
 
     Args:
         config: engine settings.
-        loaded: an already loaded model (else ``config.model`` is loaded).
+        loaded: an already loaded model (else ``config.model`` is loaded, in the serving dtype,
+            straight onto the device).
+        progress: ``progress(phase, done, total)`` through startup: reading (bytes), converting
+            (layers), profiling, capturing (see :mod:`tandem.worker.server.startup`).
 
     Raises:
         ModelLoadError: the model cannot be loaded.
-        ValueError: a bad setting (dtype, backend, KV cache size).
+        ValueError: a bad setting (dtype, backend); MemoryPlanError (a ValueError) when the model,
+            its activations and the KV cache do not fit.
     """
 
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, progress=None):
         torch.manual_seed(config.seed)
+        # the serving dtype is decided once, before anything is loaded or fingerprinted
+        config = dataclasses.replace(config, dtype=config.resolved_dtype())
         self.config = config
-        loaded = loaded or load_model(config.model)
+        progress = progress or (lambda phase, done, total: None)
+        device = config.resolved_device()
+        memory_before = device_memory(device) if loaded is None else None
+        owns = loaded is None
+        if loaded is None:
+            t0 = time.monotonic()
+            loaded = load_model(config.model, config.torch_dtype(), device, progress)
+            log.info("loaded %s: %.2f GiB of weights as %s on %s in %.1f s", loaded.path,
+                     loaded.weight_bytes() / 2**30, config.dtype, device, time.monotonic() - t0)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.model_name = config.model_name or loaded.path.name
         limit = loaded.config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or limit, limit)
-        self.fingerprint = fingerprint(model=config.model, dtype=config.dtype,
+        # the model's identity is its content (model_identity), never its path
+        self.content_digest = loaded.digest or digest_of_weights(loaded.config, loaded.weights)
+        self.fingerprint = fingerprint(content=self.content_digest, dtype=config.dtype,
                                        quantization=config.quantization)
-        self.runner = ModelRunner(config, loaded, self.max_model_len)
+        log.info("model fingerprint %s (content %s, %s, quantization %s)", self.fingerprint.hex(),
+                 self.content_digest, config.dtype, config.quantization)
+        self.runner = ModelRunner(config, loaded, self.max_model_len, memory_before=memory_before,
+                                  owns_weights=owns, progress=progress)
         capacity = self.runner.num_blocks * config.block_size
         if capacity < self.max_model_len:
             # A longer sequence could never hold all its blocks at once: cap the context by the cache,

@@ -1,9 +1,14 @@
 """Load a Llama-family model and its tokenizer from a Hugging Face directory, a GGUF file, or a file
 inside an installed Python package.
 
-GGUF files are read with the ``gguf`` package and dequantized on load; their Q/K projections are
-un-permuted from llama.cpp's interleaved RoPE layout back to Hugging Face's rotate-half layout (the
-inverse of llama.cpp's ``convert_hf_to_gguf.py`` permute). The tokenizer is the router's, from
+Every weight goes straight into the serving dtype and onto its device, one tensor at a time, so host
+memory stays near the weights already placed plus one tensor (near one tensor when the device is a
+GPU): safetensors through :mod:`tandem.worker.engine.safetensors_io`, GGUF dequantized tensor by
+tensor with the ``gguf`` package. GGUF Q/K projections are un-permuted from llama.cpp's interleaved
+RoPE layout back to Hugging Face's rotate-half layout (the inverse of llama.cpp's
+``convert_hf_to_gguf.py`` permute), and a GGUF's ``rope_freqs`` tensor (Llama 3.1+) becomes the
+model's RoPE frequency factors. While reading, the loader computes the model's content digest
+(:mod:`tandem.worker.engine.model_identity`). The tokenizer is the router's, from
 :mod:`tandem.worker.api.tokenizer`, so both tokenize identically. Nothing is fetched from a hub.
 """
 from __future__ import annotations
@@ -12,6 +17,7 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -19,6 +25,11 @@ import torch
 # Re-exported for existing callers; they live in the torch-free api package so the router can use them.
 from tandem.worker.api.source import ModelLoadError, resolve_source  # noqa: F401
 from tandem.worker.api.tokenizer import Tokenizer, chat_token_ids, load_tokenizer  # noqa: F401
+from tandem.worker.engine.model_identity import ContentDigest
+from tandem.worker.engine.safetensors_io import iter_tensors, stored_bytes
+
+#: ``progress(phase, done, total)``: startup progress (phase ``reading``: bytes read of all)
+Progress = Callable[[str, int, int], None]
 
 log = logging.getLogger(__name__)
 
@@ -49,25 +60,37 @@ class ModelConfig:
 
 @dataclass
 class LoadedModel:
-    """What :func:`load_model` returns: config, HF-named weights (float32, CPU), tokenizer, file."""
+    """What :func:`load_model` returns: config, HF-named weights (in the dtype and on the device they
+    were loaded for), tokenizer, file, and the content digest (:mod:`.model_identity`; empty for a
+    model built by hand, whose digest the engine then computes from the weights)."""
     config: ModelConfig
     weights: dict[str, torch.Tensor]
     tokenizer: Tokenizer
     path: Path
+    digest: str = ""
+
+    def weight_bytes(self) -> int:
+        """Bytes of the loaded weights."""
+        return sum(t.numel() * t.element_size() for t in self.weights.values())
 
 
-def load_model(source: str) -> LoadedModel:
+def load_model(source: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
+               progress: Progress | None = None) -> LoadedModel:
     """Load config, weights and tokenizer from ``source`` (see :func:`resolve_source`).
+
+    Each weight is read, converted to ``dtype`` and moved to ``device`` before the next is read.
+    ``progress("reading", bytes done, bytes total)`` is called after each tensor.
 
     Raises ModelLoadError, naming the file, for a missing or corrupt file or an unsupported
     architecture.
     """
     path = resolve_source(source)
+    progress = progress or (lambda phase, done, total: None)
     try:
         if path.is_file() and path.suffix == ".gguf":
-            return _load_gguf(path)
+            return _load_gguf(path, dtype, device, progress)
         if path.is_dir():
-            return _load_hf_dir(path)
+            return _load_hf_dir(path, dtype, device, progress)
     except ModelLoadError:
         raise
     except Exception as e:  # a library's parse error becomes one clear message with the file name
@@ -90,9 +113,12 @@ def _rope_scaling(cfg: dict) -> tuple[float, dict | None]:
     return float(theta), (scaling if kind not in (None, "default") else None)
 
 
-def _load_hf_dir(path: Path) -> LoadedModel:
-    from safetensors import safe_open
+#: the files of a Hugging Face directory that define its tokenizer (part of the content digest)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja", "tokenizer.model")
 
+
+def _load_hf_dir(path: Path, dtype: torch.dtype, device: str, progress: Progress) -> LoadedModel:
     cfg_file = path / "config.json"
     if not cfg_file.exists():
         raise ModelLoadError(f"{cfg_file}: missing (a Hugging Face model directory needs config.json)")
@@ -105,15 +131,18 @@ def _load_hf_dir(path: Path) -> LoadedModel:
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{path}: no *.safetensors files")
+    digest = ContentDigest()
     weights = {}
-    for f in files:
-        try:
-            with safe_open(str(f), framework="pt") as fh:
-                for k in fh.keys():
-                    weights[k] = fh.get_tensor(k).float()
-        except Exception as e:
-            raise ModelLoadError(f"{f}: corrupt safetensors file: {e}") from e
+    total, done = stored_bytes(files), 0
+    for k, t in iter_tensors(files, on_bytes=lambda n, dt, shape, raw: digest.add_tensor(n, dt, shape, raw)):
+        done += t.numel() * t.element_size()
+        weights[k] = _place(t, dtype, device)
+        del t
+        progress("reading", done, total)
     tokenizer = load_tokenizer(str(path))
+    for name in TOKENIZER_FILES:
+        if (path / name).exists():
+            digest.add_part(f"tokenizer/{name}", (path / name).read_bytes())
     theta, scaling = _rope_scaling(cfg)
     heads = cfg["num_attention_heads"]
     config = ModelConfig(
@@ -126,7 +155,18 @@ def _load_hf_dir(path: Path) -> LoadedModel:
         tie_word_embeddings=cfg.get("tie_word_embeddings", False) or "lm_head.weight" not in weights,
         qkv_bias=arch == "qwen2" or cfg.get("attention_bias", False),
         eos_token_ids=_eos_ids(tokenizer, cfg.get("eos_token_id")), bos_token_id=cfg.get("bos_token_id"))
-    return LoadedModel(config, weights, tokenizer, path)
+    digest.add_part("config", config)
+    return LoadedModel(config, weights, tokenizer, path, digest.hexdigest())
+
+
+def _place(t: torch.Tensor, dtype: torch.dtype, device: str) -> torch.Tensor:
+    """``t`` in the serving ``dtype`` on ``device``; floating-point tensors only are converted. On a
+    GPU the copy goes first and the conversion runs there (the host never holds a converted copy)."""
+    if not t.is_floating_point():
+        return t.to(device)
+    if str(device) == "cpu":
+        return t.to(dtype)
+    return t.to(device).to(dtype)
 
 
 _GGUF_NAMES = {
@@ -156,7 +196,7 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _load_gguf(path: Path) -> LoadedModel:
+def _load_gguf(path: Path, dtype: torch.dtype, device: str, progress: Progress) -> LoadedModel:
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
@@ -178,30 +218,65 @@ def _load_gguf(path: Path) -> LoadedModel:
     heads = int(field(f"{a}.attention.head_count"))
     kv_heads = int(field(f"{a}.attention.head_count_kv", heads))
     hidden = int(field(f"{a}.embedding_length"))
+    digest = ContentDigest()
     weights: dict[str, torch.Tensor] = {}
+    rope_freqs = None
+    total, done = sum(int(t.n_bytes) for t in reader.tensors), 0
     for t in reader.tensors:
+        done += int(t.n_bytes)
+        shape = tuple(int(x) for x in reversed(t.shape))
+        digest.add_tensor(t.name, t.tensor_type.name, shape, np.ascontiguousarray(t.data).reshape(-1).view(np.uint8).data)
+        if t.name == "rope_freqs.weight":   # Llama 3.1+: per-frequency divisors of the RoPE angles
+            rope_freqs = [float(x) for x in np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float64).reshape(-1)]
+            continue
         hf = _gguf_name(t.name)
         if hf is None:
             log.warning("%s: ignoring tensor %s", path, t.name)
             continue
-        arr = dequantize(t.data, t.tensor_type)
-        w = torch.from_numpy(np.array(arr, dtype=np.float32)).reshape(
-            tuple(int(x) for x in reversed(t.shape)))
+        # one tensor at a time: dequantized to float32 on the host, then converted and placed
+        arr = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        if not arr.flags.writeable:   # an unquantized tensor comes back as the file's read-only map
+            arr = arr.copy()
+        w = torch.from_numpy(arr).reshape(shape)
         if arch == "llama" and hf.endswith("q_proj.weight"):
             w = _unpermute(w, heads)
         elif arch == "llama" and hf.endswith("k_proj.weight"):
             w = _unpermute(w, kv_heads)
-        weights[hf] = w
+        weights[hf] = _place(w.contiguous() if w.dtype == dtype else w, dtype, device)
+        del w
+        progress("reading", done, total)
     tokenizer = load_tokenizer(str(path))
+    digest.add_part("tokenizer", {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")})
+    rope_scaling = _gguf_rope_scaling(field, a, rope_freqs, path)
     config = ModelConfig(
         arch=arch, vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data), hidden_size=hidden,
         intermediate_size=int(field(f"{a}.feed_forward_length")),
         num_layers=int(field(f"{a}.block_count")), num_heads=heads, num_kv_heads=kv_heads,
         head_dim=int(field(f"{a}.attention.key_length", hidden // heads)),
         rms_norm_eps=float(field(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
-        rope_theta=float(field(f"{a}.rope.freq_base", 10000.0)),
+        rope_theta=float(field(f"{a}.rope.freq_base", 10000.0)), rope_scaling=rope_scaling,
         max_position_embeddings=int(field(f"{a}.context_length", 4096)),
         tie_word_embeddings="lm_head.weight" not in weights, qkv_bias=arch == "qwen2",
         eos_token_ids=_eos_ids(tokenizer, field("tokenizer.ggml.eos_token_id")),
         bos_token_id=field("tokenizer.ggml.bos_token_id"))
-    return LoadedModel(config, weights, tokenizer, path)
+    digest.add_part("config", config)
+    return LoadedModel(config, weights, tokenizer, path, digest.hexdigest())
+
+
+def _gguf_rope_scaling(field, arch: str, rope_freqs: list[float] | None, path: Path) -> dict | None:
+    """The RoPE scaling of a GGUF, as a ``rope_scaling`` dict for
+    :func:`tandem.kernels.rope.build_cos_sin_cache`.
+
+    llama.cpp's converter writes a Llama 3.1+ model's ``llama3`` scaling as the ``rope_freqs`` tensor:
+    one divisor per frequency, which llama.cpp applies to the angles as they are (``freq_factors``).
+    Older scalings are metadata: ``{arch}.rope.scaling.type`` ``linear`` with ``.factor``. Raises
+    ModelLoadError for a scaling type this engine does not implement (rather than run with a wrong one).
+    """
+    kind = field(f"{arch}.rope.scaling.type")
+    if rope_freqs is not None:
+        return {"rope_type": "freq_factors", "factors": rope_freqs}
+    if kind in (None, "none"):
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(field(f"{arch}.rope.scaling.factor", 1.0))}
+    raise ModelLoadError(f"{path}: unsupported GGUF rope scaling {kind!r} (supported: rope_freqs, linear)")

@@ -6,8 +6,9 @@ import logging
 import torch
 
 from tandem.kernels.ops import select_ops
-from tandem.worker.engine.config import EngineConfig
+from tandem.worker.engine.config import CPU_DEFAULT_KV_BYTES, EngineConfig
 from tandem.worker.engine.loader import LoadedModel
+from tandem.worker.engine.memory_plan import cpu_activation_bytes, plan_memory, profile_batch
 from tandem.worker.engine.scheduler import ScheduledBatch
 from tandem.worker.engine.sequence import Sequence
 from tandem.worker.models.llama import AttentionMetadata, LlamaModel
@@ -22,48 +23,144 @@ def kv_block_bytes(loaded: LoadedModel, config: EngineConfig) -> int:
     return c.num_layers * 2 * config.block_size * c.num_kv_heads * c.head_dim * elem
 
 
+def device_memory(device: str) -> tuple[int, int]:
+    """``(total, free)`` bytes of ``device``: ``torch.cuda.mem_get_info`` on CUDA, the host's total
+    and available memory (psutil) on the CPU."""
+    if str(device).startswith("cuda"):
+        free, total = torch.cuda.mem_get_info(device)
+        return int(total), int(free)
+    import psutil
+    vm = psutil.virtual_memory()
+    return int(vm.total), int(vm.available)
+
+
 class ModelRunner:
     """Runs :class:`LlamaModel` steps over the KV cache
-    ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``."""
+    ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``.
 
-    def __init__(self, config: EngineConfig, loaded: LoadedModel, max_model_len: int):
+    Startup order (vLLM's): place the model, profile one full ``max_num_batched_tokens`` step at the
+    largest batch (and one decode step of ``max_num_seqs`` for the CUDA graph pool), plan memory
+    (:func:`tandem.worker.engine.memory_plan.plan_memory`), allocate the KV cache, capture graphs.
+
+    Args:
+        memory_before: ``(total, free)`` device bytes measured before the weights were loaded (None:
+            measured now, with weights already on the device counted as free).
+        owns_weights: ``loaded.weights`` may be consumed (emptied) while building the model.
+        progress: ``progress(phase, done, total)`` for phases converting, profiling, capturing.
+    Raises:
+        MemoryPlanError: the memory does not fit (see :func:`plan_memory`).
+    """
+
+    def __init__(self, config: EngineConfig, loaded: LoadedModel, max_model_len: int,
+                 memory_before: tuple[int, int] | None = None, owns_weights: bool = False,
+                 progress=None):
+        progress = progress or (lambda phase, done, total: None)
         self.config = config
         self.device = config.resolved_device()
         self.dtype = config.torch_dtype()
         self.block_size = config.block_size
+        self.max_model_len = max_model_len
         self.ops = select_ops(config.attention_backend, self.device)
         c = loaded.config
-        self.model = LlamaModel(c, loaded.weights, self.ops, self.dtype, self.device, max_model_len,
-                                config.quantization)
+        if memory_before is None:
+            total, free = device_memory(self.device)
+            on_dev = sum(t.numel() * t.element_size() for t in loaded.weights.values()
+                         if str(t.device).startswith(self.device.split(":")[0]))
+            memory_before = (total, free + on_dev)
+        self.model = LlamaModel(c, loaded.weights if owns_weights else dict(loaded.weights), self.ops,
+                                self.dtype, self.device, max_model_len, config.quantization, progress)
         self.block_bytes = kv_block_bytes(loaded, config)   # one block, every layer, K and V
-        self.num_blocks = self._num_blocks(loaded)
+        activations, act_source, graphs = self._profile(progress)
+        self.plan = plan_memory(
+            device=self.device, total=memory_before[0], free_before=memory_before[1],
+            weights=self.model.weight_bytes(), activations=activations, activation_source=act_source,
+            graphs=graphs, block_bytes=self.block_bytes, block_size=config.block_size,
+            gpu_memory_fraction=config.gpu_memory_fraction, kv_cache_bytes=config.kv_cache_bytes,
+            num_kv_blocks=config.num_kv_blocks,
+            default_kv_bytes=None if self._cuda else CPU_DEFAULT_KV_BYTES)
+        log.info("%s", self.plan.describe())
+        self.num_blocks = self.plan.num_blocks
         self.kv_cache = torch.zeros(c.num_layers, 2, self.num_blocks, config.block_size,
                                     c.num_kv_heads, c.head_dim, dtype=self.dtype, device=self.device)
         log.info("KV cache: %d blocks of %d tokens (%.1f MiB), backend %s", self.num_blocks,
                  config.block_size, self.kv_cache.numel() * self.kv_cache.element_size() / 2**20,
                  self.ops.backend)
         self.graphs = None
-        if self.device.startswith("cuda") and config.cuda_graphs:
+        if self._cuda and config.cuda_graphs:
             from tandem.worker.engine.cuda_graphs import DecodeGraphRunner
+            progress("capturing", 0, 1)
+            free0 = torch.cuda.mem_get_info(self.device)[0]
             self.graphs = DecodeGraphRunner(self.model, self.kv_cache, max_batch=config.max_num_seqs,
                                             max_blocks=-(-max_model_len // config.block_size),
                                             device=self.device).capture()
+            used = free0 - torch.cuda.mem_get_info(self.device)[0]
+            (log.warning if used > graphs else log.info)(
+                "CUDA graphs: %.1f MiB used of %.1f MiB planned", used / 2**20, graphs / 2**20)
+            progress("capturing", 1, 1)
 
-    def _num_blocks(self, loaded: LoadedModel) -> int:
+    @property
+    def _cuda(self) -> bool:
+        return self.device.startswith("cuda")
+
+    def _profile(self, progress) -> tuple[int, str, int]:
+        """``(activation bytes, how they were found, CUDA graph pool bytes)``.
+
+        On CUDA: run the profiling step (:func:`profile_batch`) over a scratch KV cache just large
+        enough for it and take the allocator's peak above what was allocated before (the scratch cache
+        excluded); the graph pool is profiled the same way with a pure-decode step of ``max_num_seqs``.
+        On the CPU: :func:`cpu_activation_bytes` (torch has no CPU allocator statistics)."""
         cfg = self.config
-        per_block = self.block_bytes
-        if cfg.num_kv_blocks:
-            return cfg.num_kv_blocks
-        if self.device.startswith("cuda"):
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = total * cfg.gpu_memory_fraction - (total - free)
+        lens = profile_batch(cfg.max_num_batched_tokens, cfg.max_num_seqs)
+        progress("profiling", 0, 1)
+        if not self._cuda:
+            elem = torch.empty(0, dtype=self.dtype).element_size()
+            act = cpu_activation_bytes(self.model.config, sum(lens), len(lens), elem, self.max_model_len)
+            progress("profiling", 1, 1)
+            return act, f"estimated: {sum(lens)} tokens, {len(lens)} seqs", 0
+        act = self._profile_step(lens)
+        graphs = self._profile_step([1] * cfg.max_num_seqs, decode=True) if cfg.cuda_graphs else 0
+        torch.cuda.empty_cache()
+        progress("profiling", 1, 1)
+        return act, f"profiled: {sum(lens)} tokens, {len(lens)} seqs", graphs
+
+    @torch.inference_mode()
+    def _profile_step(self, lens: list[int], decode: bool = False) -> int:
+        """Peak bytes allocated above the baseline while running one step of sequences ``lens``
+        (prefills from position 0, or single-token decodes) over a scratch KV cache."""
+        c, bs, dev = self.model.config, self.block_size, self.device
+        nblocks = [-(-n // bs) for n in lens]
+        scratch = torch.zeros(c.num_layers, 2, sum(nblocks), bs, c.num_kv_heads, c.head_dim,
+                              dtype=self.dtype, device=dev)
+        width = max(nblocks)
+        tables = torch.zeros(len(lens), width, dtype=torch.int32)
+        slots, first = [], 0
+        for i, (n, k) in enumerate(zip(lens, nblocks)):
+            tables[i, :k] = torch.arange(first, first + k, dtype=torch.int32)
+            slots.append(torch.arange(first * bs, first * bs + n))
+            first += k
+        tables = tables.to(dev)
+        seq_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
+        total = sum(lens)
+        if decode:
+            meta = AttentionMetadata(slot_mapping=torch.cat(slots).to(dev), num_decode_tokens=len(lens),
+                                     decode_block_tables=tables, decode_seq_lens=seq_lens)
         else:
-            budget = cfg.kv_cache_bytes
-        n = int(budget // per_block)
-        if n < 1:
-            raise ValueError(f"kvCache too small: {budget / 2**20:.1f} MiB holds no block "
-                             f"of {per_block} bytes")
-        return n
+            cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
+            cu[1:] = torch.tensor(lens).cumsum(0)
+            meta = AttentionMetadata(slot_mapping=torch.cat(slots).to(dev), num_decode_tokens=0,
+                                     prefill_block_tables=tables, prefill_cu_seqlens_q=cu.to(dev),
+                                     prefill_seq_lens=seq_lens)
+        ids = torch.zeros(total, dtype=torch.int64, device=dev)
+        pos = torch.cat([torch.arange(n) for n in lens]).to(dev)
+        rows = (torch.tensor(lens).cumsum(0) - 1).to(dev)
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        base = torch.cuda.memory_allocated(dev)
+        self.model.forward(ids, pos, meta, scratch, None if decode else rows)
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev) - base
+        del scratch
+        return int(peak)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor]:

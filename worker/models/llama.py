@@ -11,6 +11,7 @@ per token; see :mod:`tandem.kernels.fp8`); embeddings, norms and the LM head sta
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -49,15 +50,29 @@ class LlamaModel:
     LINEARS = ("qkv", "o", "gate_up", "down")
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], ops: Ops,
-                 dtype: torch.dtype, device: str, max_position: int, quantization: str = "none"):
+                 dtype: torch.dtype, device: str, max_position: int, quantization: str = "none",
+                 progress: Callable[[str, int, int], None] | None = None):
+        """Build the serving layout from HF-named ``weights``, which are *consumed*: each entry is
+        popped as it is placed, so the loaded and the fused copies of a layer never both stay alive
+        (pass a copy of the dict to keep yours). ``progress("converting", layers done, layers)``.
+        Raises ValueError for an unknown quantization, KeyError for a missing weight."""
         if quantization not in ("none", "fp8"):
             raise ValueError(f"quantization must be none or fp8, got {quantization!r}")
         self.config, self.ops, self.dtype, self.device = config, ops, dtype, device
         self.fp8 = quantization == "fp8"
         c = config
+        progress = progress or (lambda phase, done, total: None)
 
         def w(name):
-            return weights[name].to(device=device, dtype=dtype).contiguous()
+            return weights.pop(name).to(device=device, dtype=dtype).contiguous()
+
+        def fused(names):
+            # placed one part at a time, then joined on the device: one layer's parts at most are
+            # alive twice
+            parts = [weights.pop(n).to(device=device, dtype=dtype) for n in names]
+            out = torch.cat(parts)
+            del parts
+            return out
 
         self.embed = w("model.embed_tokens.weight")
         self.lm_head = self.embed if c.tie_word_embeddings else w("lm_head.weight")
@@ -65,28 +80,35 @@ class LlamaModel:
         self.layers = []
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
-            qkv = torch.cat([weights[p + f"self_attn.{x}_proj.weight"] for x in "qkv"])
-            bias = (torch.cat([weights[p + f"self_attn.{x}_proj.bias"] for x in "qkv"])
-                    if c.qkv_bias else None)
-            gate_up = torch.cat([weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]])
             self.layers.append({
                 "in_norm": w(p + "input_layernorm.weight"),
                 "post_norm": w(p + "post_attention_layernorm.weight"),
-                "qkv": qkv.to(device=device, dtype=dtype).contiguous(),
-                "qkv_bias": None if bias is None else bias.to(device=device, dtype=dtype),
+                "qkv": fused([p + f"self_attn.{x}_proj.weight" for x in "qkv"]),
+                "qkv_bias": fused([p + f"self_attn.{x}_proj.bias" for x in "qkv"]) if c.qkv_bias else None,
                 "o": w(p + "self_attn.o_proj.weight"),
-                "gate_up": gate_up.to(device=device, dtype=dtype).contiguous(),
+                "gate_up": fused([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
                 "down": w(p + "mlp.down_proj.weight"),
             })
             if self.fp8:  # replace each projection by (e4m3 weight [N, K], per-channel scale [N])
                 L = self.layers[-1]
                 for name in self.LINEARS:
                     L[name] = quantize_weight_fp8(L[name])
+            progress("converting", i + 1, c.num_layers)
         self.cos_sin = build_cos_sin_cache(c.head_dim, max_position, c.rope_theta, c.rope_scaling,
                                            dtype=torch.float32, device=device)
         self.scale = c.head_dim ** -0.5
         self.q_size = c.num_heads * c.head_dim
         self.kv_size = c.num_kv_heads * c.head_dim
+
+    def weight_bytes(self) -> int:
+        """Bytes of the placed weights (a tied LM head counted once)."""
+        seen, total = set(), 0
+        for t in [self.embed, self.lm_head, self.norm] + [x for L in self.layers for v in L.values()
+                                                          for x in (v if isinstance(v, tuple) else (v,))]:
+            if t is not None and id(t) not in seen:
+                seen.add(id(t))
+                total += t.numel() * t.element_size()
+        return total
 
     def _linear(self, x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ w.T (+ bias)``; ``w`` is a tensor, or ``(w_fp8, w_scale)`` under FP8 quantization."""

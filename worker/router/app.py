@@ -18,12 +18,12 @@ import aiohttp
 from aiohttp import web
 
 from tandem.worker.api import auth
-from tandem.worker.api.block_hash import block_hashes, fingerprint
+from tandem.worker.api.block_hash import block_hashes
 from tandem.worker.api.errors import InvalidRequestError
 from tandem.worker.api.http import (DEFAULT_MAX_REQUEST_BYTES, PREFILL_PEER_HEADER, TTFT_HEADER, json_error,
                                     openai_app)
 from tandem.worker.api.openai import max_prompt_chars, read_request_async
-from tandem.worker.router.policy import WorkerState, decide
+from tandem.worker.router.policy import WorkerState, decide, pick_decode
 from tandem.worker.server.metrics import Metrics, TokenTimer
 
 log = logging.getLogger(__name__)
@@ -37,9 +37,8 @@ class Router:
     Args:
         pool: InferencePool name (metric label).
         model_name: the OpenAI model name.
-        model_source: the engine's model source string (part of the block-hash fingerprint, which must
-            match the workers').
-        dtype, quantization: the engine's, for the same reason.
+        model_source, dtype, quantization: the spec's (the model's fingerprint, which block hashes mix
+            in, comes from the workers' ``/health``: the router loads no weights).
         tokenizer: the model's tokenizer.
         block_size: the engine's KV block size.
         discovery: where the workers are (``prefill_urls()``, ``decode_urls()``).
@@ -61,7 +60,8 @@ class Router:
         self.model_name, self.tok, self.block_size = model_name, tokenizer, block_size
         self.char_limit = max_prompt_chars(tokenizer, max_model_len) if max_model_len else None
         self.max_request_bytes = max_request_bytes
-        self.fingerprint = fingerprint(model=model_source, dtype=dtype, quantization=quantization)
+        self.model_source = model_source
+        self._refusals: set[tuple[str, str, str, str]] = set()   # (decode, its fp, prefill, its fp) logged
         self.discovery = discovery
         self.remote_min, self.routing = remote_prefill_min_tokens, routing
         self.health_interval, self.queue_timeout = health_interval, queue_timeout
@@ -100,6 +100,7 @@ class Router:
             async with self.session.get(w.url + "/health", timeout=aiohttp.ClientTimeout(total=2)) as r:
                 info = await r.json()
             w.free_blocks, w.num_blocks = info.get("free_blocks", 0), info.get("num_blocks", 0)
+            w.fingerprint = info.get("model_fingerprint", w.fingerprint)
             w.ready = r.status == 200 and not info.get("draining", False)
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
             w.ready = False
@@ -121,8 +122,28 @@ class Router:
     # ---- routes -----------------------------------------------------------------------------
     async def health(self, request):
         return web.json_response({"status": "ok", "role": "router", "workers": {
-            u: {"ready": w.ready, "in_flight": w.in_flight, "free_blocks": w.free_blocks}
-            for u, w in self.workers.items()}})
+            u: {"ready": w.ready, "in_flight": w.in_flight, "free_blocks": w.free_blocks,
+                "model_fingerprint": w.fingerprint}
+            for u, w in self.workers.items()}, "model_fingerprints": self.fingerprints()})
+
+    def fingerprints(self) -> dict[str, list[str]]:
+        """The model fingerprints the workers report, each with the workers reporting it (more than
+        one key: the pool serves different models, and those workers are never paired)."""
+        out: dict[str, list[str]] = {}
+        for u, w in sorted(self.workers.items()):
+            if w.fingerprint:
+                out.setdefault(w.fingerprint, []).append(u)
+        return out
+
+    def _log_refusals(self, d) -> None:
+        """Say, once per pair, why a prefill worker is not paired with a decode worker."""
+        for p in d.refused:
+            key = (d.decode.url, d.decode.fingerprint or "", p.url, p.fingerprint or "")
+            if key not in self._refusals:
+                self._refusals.add(key)
+                log.warning("not pairing decode worker %s (model fingerprint %s) with prefill worker %s "
+                            "(model fingerprint %s): they serve different models (content, dtype or "
+                            "quantization); its prompts are prefilled elsewhere", *key)
 
     async def ready(self, request):
         ok = any(w.ready for w in self._states(self.discovery.decode_urls()))
@@ -169,7 +190,14 @@ class Router:
                 req, ids = await read_request_async(raw, chat, self.model_name, self.tok, self.char_limit)
             except InvalidRequestError as e:
                 return json_error(str(e), e.status, e.field)
-            hashes = block_hashes(ids, self.block_size, self.fingerprint)
+            by_fp: dict[str, list[bytes]] = {}
+
+            def hashes_for(w) -> list[bytes]:
+                # block hashes mix in the model fingerprint, which comes from the workers' /health
+                fp = w.fingerprint or ""
+                if fp not in by_fp:
+                    by_fp[fp] = block_hashes(ids, self.block_size, bytes.fromhex(fp))
+                return by_fp[fp]
             tried: set[str] = set()   # decode workers that failed this request
             client_usage = req.include_usage
             if req.stream and not client_usage:
@@ -178,14 +206,18 @@ class Router:
                 raw = json.dumps({**json.loads(raw), "stream_options": {"include_usage": True}}).encode()
 
             def decide_fn():
-                return decide(self._states(self.discovery.decode_urls()),
-                              self._states(self.discovery.prefill_urls()),
-                              len(ids), hashes, self.remote_min, self.routing, tried, self._rr)
+                decodes = self._states(self.discovery.decode_urls())
+                fp_worker = pick_decode(decodes, tried)   # the one decide() picks: hash for its model
+                return decide(decodes, self._states(self.discovery.prefill_urls()), len(ids),
+                              hashes_for(fp_worker) if fp_worker else [], self.remote_min, self.routing,
+                              tried, self._rr)
             while True:
                 d = await self._wait_for_decode(decide_fn)
                 if d is None:
                     return json_error("no ready decode worker", 503)
                 self._rr += 1
+                self._log_refusals(d)
+                hashes = hashes_for(d.decode)
                 headers = {"Content-Type": "application/json", **self.worker_headers}
                 if d.prefill is not None:
                     headers[PREFILL_PEER_HEADER] = d.prefill.url

@@ -3,7 +3,8 @@
 - Decode: the least-loaded ready decode worker (fewest requests in flight, then most free KV blocks).
 - Remote or local prefill (DESIGN.md, step 5): local when the prompt is shorter than
   ``remotePrefillMinTokens``, when the chosen decode worker already caches at least half of the
-  prompt's blocks, or when no prefill worker is ready; remote otherwise.
+  prompt's blocks, or when no ready prefill worker reports the decode worker's model fingerprint
+  (different content, dtype or quantization: their KV would not mean the same); remote otherwise.
 - Prefill: prefix affinity within a load bound. Among prefill workers whose load is within
   ``load_bound`` of the least loaded, the one whose prefix cache most likely holds the prompt's
   leading blocks (by block hash), as in SGLang's cache-aware routing and NVIDIA Dynamo's KV router.
@@ -22,6 +23,7 @@ class WorkerState:
     free_blocks: int = 0
     num_blocks: int = 0
     ready: bool = True
+    fingerprint: str | None = None   # the model fingerprint the worker reports at /health (hex)
     cached: OrderedDict = field(default_factory=OrderedDict)   # block hash -> None, LRU
 
     def matched_blocks(self, hashes: list[bytes]) -> int:
@@ -47,7 +49,9 @@ class WorkerState:
 class Decision:
     decode: WorkerState
     prefill: WorkerState | None
-    reason: str    # remote | short_prompt | decode_cached | no_prefill_worker
+    reason: str    # remote | short_prompt | decode_cached | no_prefill_worker | model_mismatch
+    #: ready prefill workers left out because their model fingerprint differs from the decode worker's
+    refused: list[WorkerState] = field(default_factory=list)
 
 
 def pick_decode(decodes: list[WorkerState], exclude: set[str] = frozenset()) -> WorkerState | None:
@@ -84,7 +88,9 @@ def decide(decodes: list[WorkerState], prefills: list[WorkerState], num_tokens: 
         return Decision(decode, None, "short_prompt")
     if hashes and 2 * decode.matched_blocks(hashes) >= len(hashes):
         return Decision(decode, None, "decode_cached")
-    prefill = pick_prefill(prefills, hashes, routing, rr_counter=rr_counter)
+    # KV moves only between workers serving the same model content, dtype and quantization
+    refused = [p for p in prefills if p.ready and p.fingerprint != decode.fingerprint]
+    prefill = pick_prefill([p for p in prefills if p not in refused], hashes, routing, rr_counter=rr_counter)
     if prefill is None:
-        return Decision(decode, None, "no_prefill_worker")
-    return Decision(decode, prefill, "remote")
+        return Decision(decode, None, "model_mismatch" if refused else "no_prefill_worker", refused)
+    return Decision(decode, prefill, "remote", refused)

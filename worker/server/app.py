@@ -43,13 +43,16 @@ class WorkerServer:
         api_keys: client API keys accepted (a worker run alone), or None.
         pool_secret: the pool's shared secret: the router's pool token is accepted, and the KV
             handshake proves it (both ways). None: no pool credential.
+        startup: the process's :class:`tandem.worker.server.startup.StartupStatus` (shown at /health).
     """
 
     def __init__(self, role: str, aengine: AsyncEngine, pool: str, model_name: str,
                  kv_server: KVTransferServer | None = None, kv_port: int | None = None,
                  transfer_deadline: float = 120.0, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-                 api_keys: auth.KeyStore | None = None, pool_secret: bytes | None = None):
+                 api_keys: auth.KeyStore | None = None, pool_secret: bytes | None = None,
+                 startup=None):
         self.role, self.aengine, self.model_name = role, aengine, model_name
+        self.startup = startup   # the StartupStatus of this process (phase timings), or None
         self.engine = aengine.engine
         self.max_request_bytes = max_request_bytes
         self.char_limit = max_prompt_chars(self.engine.tokenizer, self.engine.max_model_len)
@@ -98,6 +101,10 @@ class WorkerServer:
             "num_requests": len(self.engine.seqs),
             "block_size": self.engine.config.block_size, "max_model_len": self.engine.max_model_len,
             "kv_capacity_tokens": bm.num_blocks * self.engine.config.block_size,
+            # the model's identity (content, resolved dtype, quantization): the router pairs only
+            # workers that report the same one
+            "model_fingerprint": self.engine.fingerprint.hex(), "dtype": self.engine.config.dtype,
+            "startup": self.startup.as_dict() if self.startup is not None else None,
         }, status=200 if ok else 500)
 
     async def ready(self, request: web.Request) -> web.Response:
