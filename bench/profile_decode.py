@@ -4,7 +4,7 @@ Prints the wall time per step, the profiler's top ops by self CPU time, and the 
 (the bytes one step must read divided by a measured matrix-vector read bandwidth). See docs/cpu.md.
 
     .venv/bin/python bench/profile_decode.py [--batch 1] [--steps 32] [--dtype float32]
-        [--quantization none] [--compile]
+        [--quantization none] [--threads N]
 """
 from __future__ import annotations
 
@@ -35,19 +35,19 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--quantization", default="none")
-    ap.add_argument("--compile", action="store_true", help="cpuCompile: compiled decode step")
     ap.add_argument("--rows", type=int, default=25)
+    ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     from torch.profiler import ProfilerActivity, profile
 
     from tandem.worker.engine.config import EngineConfig
     from tandem.worker.engine.llm_engine import LLMEngine
 
-    extra = {"cpu_compile": args.compile} if "cpu_compile" in EngineConfig.__dataclass_fields__ else {}
     eng = LLMEngine(EngineConfig(model=SOURCE, dtype=args.dtype, quantization=args.quantization,
-                                 enable_prefix_caching=False, kv_cache_bytes=256 << 20, max_model_len=2048,
-                                 **extra))
+                                 enable_prefix_caching=False, kv_cache_bytes=256 << 20, max_model_len=2048))
     torch.manual_seed(0)
     prompts = [torch.randint(100, 40000, (32,)).tolist() for _ in range(args.batch)]
     for i, p in enumerate(prompts):
@@ -68,7 +68,7 @@ def main() -> None:
     # the LM head is a matmul over the whole (tied) embedding; the input embedding reads only B rows
     step_bytes = wbytes
     bw = read_bandwidth(model.embed.dtype)
-    print(f"batch {args.batch} {args.dtype} quant {args.quantization} compile {args.compile}: "
+    print(f"{torch.get_num_threads()} threads, batch {args.batch} {args.dtype} quant {args.quantization}: "
           f"{wall * 1e3:.1f} ms/step ({args.batch / wall:.1f} tok/s); weights {wbytes / 2**20:.0f} MiB "
           f"(embedding/LM head {embed / 2**20:.0f} MiB); matvec read {bw / 1e9:.1f} GB/s; "
           f"weight-read floor {step_bytes / bw * 1e3:.1f} ms/step")
