@@ -105,7 +105,7 @@ def build_sentencepiece_gguf(path: Path, tokenizer_model: str = "llama") -> Path
     return path
 
 
-def llama3_rope_freqs(rope_scaling: dict, head_dim: int, theta: float) -> "np.ndarray":
+def llama3_rope_freqs(rope_scaling: dict, head_dim: int, theta: float):
     """The ``rope_freqs`` tensor llama.cpp's ``convert_hf_to_gguf.py`` (``LlamaModel
     .generate_extra_tensors``) writes for a ``llama3`` rope_scaling: one divisor per frequency."""
     import math

@@ -139,7 +139,8 @@ async def _serve_worker(args, cfg) -> None:
         await front.attach(server)
         status.ready()
 
-    await _run_site(front.app(args.max_request_bytes, args.api_keys, args.pool_secret), args.host, args.port, on_signal, start_engine)
+    await _run_site(front.app(args.max_request_bytes, args.api_keys, args.pool_secret), args.host, args.port,
+                    on_signal, start_engine)
     if "error" in state:   # the load failed: exit with its error (the termination message names it)
         raise state["error"]
 

@@ -30,6 +30,8 @@ def test_health_shows_the_startup_phases_while_the_model_loads(tmp_path):
         while time.monotonic() < t_end:
             assert proc.poll() is None, Path(log.name).read_text()[-3000:]
             try:
+                # /ready first: a worker still starting at the /health that follows was not ready before
+                ready = requests.get(url + "/ready", timeout=2).status_code
                 r = requests.get(url + "/health", timeout=2)
             except requests.ConnectionError:
                 time.sleep(0.02)
@@ -40,7 +42,7 @@ def test_health_shows_the_startup_phases_while_the_model_loads(tmp_path):
             body = r.json()
             assert r.status_code == 503 and body["status"] == "starting", body
             assert 0.0 <= body["progress"] <= 1.0
-            assert requests.get(url + "/ready", timeout=2).status_code == 503
+            assert ready == 503
             seen.append(body["phase"])
             time.sleep(0.02)
         else:

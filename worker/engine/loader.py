@@ -134,7 +134,12 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, device: str, progress: Progress
     digest = ContentDigest()
     weights = {}
     total, done = stored_bytes(files), 0
-    for k, t in iter_tensors(files, on_bytes=lambda n, dt, shape, raw: digest.add_tensor(n, dt, shape, raw)):
+    # a tensor that will be converted or moved is read into a reused staging buffer; one kept as it
+    # is stored (same dtype, on the CPU) gets a buffer of its own
+    staged = (lambda stored: stored.is_floating_point and stored != dtype) if str(device) == "cpu" \
+        else (lambda stored: True)
+    for k, t in iter_tensors(files, on_bytes=lambda n, dt, shape, raw: digest.add_tensor(n, dt, shape, raw),
+                             staged=staged):
         done += t.numel() * t.element_size()
         weights[k] = _place(t, dtype, device)
         del t
@@ -246,7 +251,9 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: str, progress: Progress) 
         del w
         progress("reading", done, total)
     tokenizer = load_tokenizer(str(path))
-    digest.add_part("tokenizer", {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")})
+    # the tokenizer's metadata as stored (raw key/value parts: decoding 100k strings costs seconds)
+    digest.add_part("tokenizer", b"".join(np.asarray(part).tobytes() for k in sorted(reader.fields)
+                                          if k.startswith("tokenizer.") for part in reader.fields[k].parts))
     rope_scaling = _gguf_rope_scaling(field, a, rope_freqs, path)
     config = ModelConfig(
         arch=arch, vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data), hidden_size=hidden,

@@ -16,7 +16,8 @@
 * **KV cache** = ``kvCache.bytes`` when set (on every device; refused when it does not fit what is
   free after the rest), else budget - in use - weights - activations - graphs.
 
-The plan is logged as one line (:meth:`MemoryPlan.describe`), e.g.::
+The plan is logged as one line (:meth:`MemoryPlan.describe`); with illustrative figures for an H200
+serving Llama-3-8B in bf16 (not measured: no GPU run yet)::
 
     memory plan (cuda): budget 125.8 GiB (0.90 of 139.8 GiB), in use before load 0.6 GiB; weights
     15.0 GiB; activations 1.9 GiB (profiled: 2048 tokens, 256 seqs); CUDA graphs 0.2 GiB; KV cache

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -24,14 +25,19 @@ def kv_block_bytes(loaded: LoadedModel, config: EngineConfig) -> int:
 
 
 def device_memory(device: str) -> tuple[int, int]:
-    """``(total, free)`` bytes of ``device``: ``torch.cuda.mem_get_info`` on CUDA, the host's total
-    and available memory (psutil) on the CPU."""
+    """``(total, free)`` bytes of ``device``: ``torch.cuda.mem_get_info`` on CUDA; on the CPU the host's
+    physical memory and its ``MemAvailable`` (/proc/meminfo; free pages where there is none)."""
     if str(device).startswith("cuda"):
         free, total = torch.cuda.mem_get_info(device)
         return int(total), int(free)
-    import psutil
-    vm = psutil.virtual_memory()
-    return int(vm.total), int(vm.available)
+    page = os.sysconf("SC_PAGE_SIZE")
+    total = page * os.sysconf("SC_PHYS_PAGES")
+    try:
+        with open("/proc/meminfo") as f:
+            avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        avail = page * os.sysconf("SC_AVPHYS_PAGES")
+    return int(total), int(avail)
 
 
 class ModelRunner:

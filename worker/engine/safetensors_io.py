@@ -70,12 +70,18 @@ def read_header(path: Path) -> tuple[int, dict]:
     return start, header
 
 
-def iter_tensors(files: list[Path], on_bytes: Callable[[str, str, tuple, memoryview], None] | None = None
+def iter_tensors(files: list[Path], on_bytes: Callable[[str, str, tuple, memoryview], None] | None = None,
+                 staged: Callable[[torch.dtype], bool] = lambda dtype: False
                  ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(name, tensor)`` for every tensor of ``files``, each freshly read into a CPU tensor of
-    its stored dtype. ``on_bytes(name, stored dtype, shape, raw bytes)`` sees each tensor's bytes
-    first (the content digest). The caller converts and places each tensor before taking the next,
-    so at most one stored tensor is alive here at a time."""
+    """Yield ``(name, tensor)`` for every tensor of ``files``, each read into a CPU tensor of its
+    stored dtype. ``on_bytes(name, stored dtype, shape, raw bytes)`` sees each tensor's bytes first
+    (the content digest).
+
+    A tensor whose stored dtype ``staged`` accepts is read into one staging buffer reused for every
+    such tensor (the caller converts or copies it away before taking the next: it is overwritten);
+    the others get a buffer of their own, which the caller may keep. Reusing the buffer saves a fresh
+    allocation, and its page faults, per converted tensor."""
+    stage = torch.empty(0, dtype=torch.uint8)
     for path in files:
         start, header = read_header(path)
         fd = os.open(path, os.O_RDONLY)
@@ -83,7 +89,12 @@ def iter_tensors(files: list[Path], on_bytes: Callable[[str, str, tuple, memoryv
             for name in sorted(header, key=lambda k: header[k]["data_offsets"][0]):
                 e = header[name]
                 b, end = e["data_offsets"]
-                buf = torch.empty(end - b, dtype=torch.uint8)
+                if staged(ST_DTYPES[e["dtype"]]):
+                    if stage.numel() < end - b:
+                        stage = torch.empty(end - b, dtype=torch.uint8)
+                    buf = stage[:end - b]
+                else:
+                    buf = torch.empty(end - b, dtype=torch.uint8)
                 view = memoryview(buf.numpy())
                 got = 0
                 while got < len(view):   # preadv may return short counts on very large reads

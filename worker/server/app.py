@@ -49,8 +49,7 @@ class WorkerServer:
     def __init__(self, role: str, aengine: AsyncEngine, pool: str, model_name: str,
                  kv_server: KVTransferServer | None = None, kv_port: int | None = None,
                  transfer_deadline: float = 120.0, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-                 api_keys: auth.KeyStore | None = None, pool_secret: bytes | None = None,
-                 startup=None):
+                 api_keys: auth.KeyStore | None = None, pool_secret: bytes | None = None, startup=None):
         self.role, self.aengine, self.model_name = role, aengine, model_name
         self.startup = startup   # the StartupStatus of this process (phase timings), or None
         self.engine = aengine.engine

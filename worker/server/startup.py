@@ -85,16 +85,16 @@ class StartingWorker:
         self.server = server
 
     def app(self, max_request_bytes: int, api_keys=None, pool_secret: bytes | None = None) -> web.Application:
-        """The worker's one app, with the same auth as :meth:`WorkerServer.app` from the first
-        second (a starting worker refuses what the started one would)."""
+        """The worker's app: the same routes and the same auth check (:func:`tandem.worker.api.auth.install`)
+        as :meth:`WorkerServer.app`, refusals counted by the attached server's metrics."""
         app = auth.install(openai_app(self, max_request_bytes), api_keys, pool_secret, self._refused)
         app.router.add_post("/drain", self.drain)
         app.router.add_get("/drain", self.drain_status)
         return app
 
-    def _refused(self, endpoint: str) -> None:
+    def _refused(self, what: str) -> None:
         if self.server is not None:
-            self.server.metrics.auth_refused(endpoint)
+            self.server.metrics.auth_refused(what)
 
     async def _startup(self, app) -> None:
         pass
