@@ -16,7 +16,9 @@ def gather_kv_ref(cache: torch.Tensor, block_table_row: torch.Tensor, length: in
     """The first ``length`` positions of one sequence: ``[length, Hk, D]`` from ``cache [N, bs, Hk, D]``."""
     bs = cache.shape[1]
     nblocks = (length + bs - 1) // bs
-    return cache[block_table_row[:nblocks].long()].flatten(0, 1)[:length]
+    # index_select, not cache[idx]: on CPU, advanced indexing into the large cache costs ~10 ms per
+    # call, index_select microseconds (docs/cpu.md)
+    return cache.index_select(0, block_table_row[:nblocks].long()).flatten(0, 1)[:length]
 
 
 def _dequant(x: torch.Tensor, dtype: torch.dtype, kv_scale: float) -> torch.Tensor:
@@ -92,9 +94,12 @@ def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     hk, bs = k_cache.shape[2], k_cache.shape[1]
     max_len = int(seq_lens.max())
     nblocks = (max_len + bs - 1) // bs
-    idx = block_tables[:, :nblocks].long()
-    k = _dequant(k_cache[idx].flatten(1, 2)[:, :max_len].transpose(1, 2), q.dtype, kv_scale)  # [B, Hk, L, D]
-    v = _dequant(v_cache[idx].flatten(1, 2)[:, :max_len].transpose(1, 2), q.dtype, kv_scale)
+    idx = block_tables[:, :nblocks].reshape(-1).long()
+    shape = (bsz, nblocks * bs, hk, d)
+    # index_select over the flattened table (see gather_kv_ref for why not k_cache[idx])
+    k = _dequant(k_cache.index_select(0, idx).view(shape)[:, :max_len].transpose(1, 2), q.dtype,
+                 kv_scale)  # [B, Hk, L, D]
+    v = _dequant(v_cache.index_select(0, idx).view(shape)[:, :max_len].transpose(1, 2), q.dtype, kv_scale)
     mask = torch.arange(max_len, device=q.device)[None, :] < seq_lens.to(q.device)[:, None].long()
     o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :],
                                        scale=scale, enable_gqa=hq != hk)

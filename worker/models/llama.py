@@ -7,6 +7,8 @@ through :class:`tandem.kernels.ops.Ops`, so one model serves the torch, Triton a
 With ``quantization="fp8"`` the four projections of every layer (qkv, o, gate_up, down) hold e4m3
 weights with per-output-channel scales and run through ``ops.fp8_linear`` (activations quantized
 per token; see :mod:`tandem.kernels.fp8`); embeddings, norms and the LM head stay in ``dtype``.
+With ``quantization="int8"`` (CPUs) the same four projections hold int8 weights with per-output-channel
+scales and run weight-only (:mod:`tandem.kernels.int8`); the rest stays in ``dtype`` likewise.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.kernels.fp8 import quantize_weight_fp8
+from tandem.kernels.int8 import int8_linear, quantize_weight_int8
 from tandem.kernels.ops import Ops
 from tandem.kernels.rope import build_cos_sin_cache
 from tandem.worker.engine.loader import ModelConfig
@@ -55,11 +58,15 @@ class LlamaModel:
         """Build the serving layout from HF-named ``weights``, which are *consumed*: each entry is
         popped as it is placed, so the loaded and the fused copies of a layer never both stay alive
         (pass a copy of the dict to keep yours). ``progress("converting", layers done, layers)``.
-        Raises ValueError for an unknown quantization, KeyError for a missing weight."""
-        if quantization not in ("none", "fp8"):
-            raise ValueError(f"quantization must be none or fp8, got {quantization!r}")
+        Raises ValueError for an unknown quantization (or int8 off the CPU), KeyError for a missing
+        weight."""
+        if quantization not in ("none", "fp8", "int8"):
+            raise ValueError(f"quantization must be none, fp8 or int8, got {quantization!r}")
+        if quantization == "int8" and not str(device).startswith("cpu"):
+            raise ValueError("quantization int8 is weight-only for CPUs; on GPUs use fp8")
         self.config, self.ops, self.dtype, self.device = config, ops, dtype, device
         self.fp8 = quantization == "fp8"
+        self.int8 = quantization == "int8"
         c = config
         progress = progress or (lambda phase, done, total: None)
 
@@ -93,6 +100,10 @@ class LlamaModel:
                 L = self.layers[-1]
                 for name in self.LINEARS:
                     L[name] = quantize_weight_fp8(L[name])
+            if self.int8:  # (int8 weight [N, K], per-channel scale [N])
+                L = self.layers[-1]
+                for name in self.LINEARS:
+                    L[name] = quantize_weight_int8(L[name])
             progress("converting", i + 1, c.num_layers)
         self.cos_sin = build_cos_sin_cache(c.head_dim, max_position, c.rope_theta, c.rope_scaling,
                                            dtype=torch.float32, device=device)
@@ -111,9 +122,11 @@ class LlamaModel:
         return total
 
     def _linear(self, x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """``x @ w.T (+ bias)``; ``w`` is a tensor, or ``(w_fp8, w_scale)`` under FP8 quantization."""
+        """``x @ w.T (+ bias)``; ``w`` is a tensor, or ``(w_q, w_scale)`` under FP8 or INT8 quantization."""
         if self.fp8:
             return self.ops.fp8_linear(x, w[0], w[1], bias)
+        if self.int8:
+            return int8_linear(x, w[0], w[1], bias)
         return F.linear(x, w, bias)
 
     @torch.inference_mode()

@@ -24,6 +24,25 @@ import warnings
 
 import torch
 
+
+
+def layout_mismatch(prefill: dict, decode) -> str:
+    """The REJECT message for two KV layouts that differ: every differing field with both values,
+    then both layouts. A dtype difference says so first: with ``dtype: auto`` two workers of one
+    pool resolve differently when their hosts differ (bf16 on a CPU with AVX-512-BF16 or AMX, fp32
+    on one without), and their KV cannot be exchanged."""
+    if not isinstance(decode, dict):
+        return f"KV layout mismatch: prefill worker has {prefill}, decode worker sent {decode!r}"
+    diff = [f"{k}: prefill {prefill.get(k)!r}, decode {decode.get(k)!r}"
+            for k in sorted(set(prefill) | set(decode)) if prefill.get(k) != decode.get(k)]
+    hint = ""
+    if prefill.get("dtype") != decode.get("dtype"):
+        hint = (" (the workers serve different dtypes: with dtype auto, each resolves it for its own "
+                "host; pin spec.model.dtype, or schedule both roles on like hosts)")
+    return (f"KV layout mismatch{hint}: {'; '.join(diff)}. "
+            f"Prefill worker has {prefill}, decode worker sent {decode}")
+
+
 MAGIC = b"TKV1"
 HEADER = struct.Struct("<4sBIQ")
 MAX_JSON = 64 * 1024 * 1024

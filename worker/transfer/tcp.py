@@ -22,8 +22,8 @@ from tandem.worker.engine.async_engine import AsyncEngine, EngineDead
 from tandem.worker.engine.llm_engine import RequestOutput
 from tandem.worker.api.errors import InvalidRequestError
 from tandem.worker.transfer import handshake
-from tandem.worker.transfer.protocol import (FrameReceiver, FrameType, TransferError, payload_to_tensor,
-                                             read_frame, tensor_to_payload, write_frame)
+from tandem.worker.transfer.protocol import (FrameReceiver, FrameType, TransferError, layout_mismatch,
+                                             payload_to_tensor, read_frame, tensor_to_payload, write_frame)
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ class KVTransferServer:
                 await self._send(writer, FrameType.REJECT, {"message": "not authenticated for this pool"})
                 return
             if meta.get("layout") != self.layout:
-                msg = f"KV layout mismatch: prefill worker has {self.layout}, decode worker sent {meta.get('layout')}"
+                msg = layout_mismatch(self.layout, meta.get("layout"))
                 await self._send(writer, FrameType.REJECT, {"message": msg})
                 return
             if not self.accepting:
