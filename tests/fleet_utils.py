@@ -39,6 +39,18 @@ def example_manifest(overrides: dict | None = None, name: str = "e2e") -> Path:
     return f
 
 
+def single_tpot(url: str, n: int = 48) -> float:
+    """TPOT of one request alone, from its stream: (E2E - TTFT) / (tokens - 1), seconds (the base the
+    autoscaling tests set their TPOT targets from)."""
+    r = requests.post(url + "/v1/completions", stream=True, timeout=300, json={
+        "model": MODEL, "prompt": "Once upon a time", "max_tokens": n, "ignore_eos": True, "stream": True})
+    first = None
+    for line in r.iter_lines():
+        if line.startswith(b"data: ") and first is None and b'"text"' in line:
+            first = time.monotonic()
+    return (time.monotonic() - first) / (n - 1)
+
+
 def start_fleet(overrides: dict | None = None, name: str = "e2e", pool_secret: bool = False,
                 manifest: Path | None = None) -> LocalFleet:
     """A local fleet of the example (or ``manifest``). Without ``pool_secret`` (the default here, not in

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from fleet_utils import MODEL, ROOT, chat, example_manifest, metric, wait_for
+from fleet_utils import MODEL, ROOT, chat, metric, single_tpot, start_fleet, wait_for
 from prometheus_utils import Prometheus
 from tandem.operator.autoscaler.fleet_loop import FleetAutoscaler
 from tandem.operator.autoscaler.policy import Autoscaler
@@ -29,13 +29,8 @@ CALIBRATION = ROOT / "bench" / "calibrations" / "smollm2-cpu.yaml"
 
 
 def _fleet(overrides: dict, name: str) -> LocalFleet:
-    fleet = LocalFleet(str(example_manifest(overrides, name)), router_port=0, log_stream=sys.stderr)
-    try:
-        fleet.start(timeout=300)
-    except Exception:
-        fleet.stop(grace=5)
-        raise
-    return fleet
+    # the pool secret on, as `tandem up` has it: the autoscaler's drains must carry the pool token
+    return start_fleet(overrides, name, pool_secret=True)
 
 
 def _bench(url: str, out: Path, *args: str) -> subprocess.Popen:
@@ -50,17 +45,6 @@ def _summary(proc: subprocess.Popen, out: Path) -> dict:
     log = proc.communicate(timeout=600)[0]
     assert proc.returncode == 0, log[-3000:]
     return json.loads((out / "summary.json").read_text())
-
-
-def _single_tpot(url: str, n: int = 48) -> float:
-    """TPOT of one request alone, from its stream: (E2E - TTFT) / (tokens - 1)."""
-    r = requests.post(url + "/v1/completions", stream=True, timeout=300, json={
-        "model": MODEL, "prompt": "Once upon a time", "max_tokens": n, "ignore_eos": True, "stream": True})
-    first = None
-    for line in r.iter_lines():
-        if line.startswith(b"data: ") and first is None and b'"text"' in line:
-            first = time.monotonic()
-    return (time.monotonic() - first) / (n - 1)
 
 
 class Shadow:
@@ -103,10 +87,10 @@ def test_decode_scales_up_under_load_then_drains_a_busy_worker(tmp_path):
     loop = shadow = None
     prom = Prometheus(tmp_path / "prometheus")
     try:
-        _single_tpot(fleet.endpoint, 8)                        # warm-up
+        single_tpot(fleet.endpoint, 8)                        # warm-up
         # the single request's TPOT, the highest of three: this machine is shared, and a target set on
         # a lucky measurement would read a trickle as a breach
-        single = max(_single_tpot(fleet.endpoint) for _ in range(3))
+        single = max(single_tpot(fleet.endpoint) for _ in range(3))
         target = 1.5 * single
         fleet.pool.spec.decode.autoscaling.target.seconds = target
         print(f"single-request TPOT {single * 1e3:.1f} ms; target {target * 1e3:.1f} ms", flush=True)

@@ -38,7 +38,7 @@ import numpy as np
 import pytest
 import yaml
 
-from fleet_utils import MODEL, chat, start_worker
+from fleet_utils import MODEL, chat, single_tpot, start_worker
 from operator_helpers import OPERATOR_SA, RELEASE, condition, kget, wait_for
 
 NS = "story"
@@ -74,18 +74,6 @@ def pool_file(path: Path, tpot_target: float, prefill_ttft: float = 30.0) -> Non
                     "router": {"replicas": 1, "routing": "prefix-affinity", "remotePrefillMinTokens": 0},
                     "autoscaling": {"mode": "active"}}}
     path.write_text("# written once; changed only by commits (GitOps)\n" + yaml.safe_dump(doc, sort_keys=False))
-
-
-def single_tpot(url: str, n: int = 48) -> float:
-    """TPOT of one request alone, from its stream: (E2E - TTFT) / (tokens - 1), seconds."""
-    import requests
-    r = requests.post(url + "/v1/completions", stream=True, timeout=300, json={
-        "model": MODEL, "prompt": "Once upon a time", "max_tokens": n, "ignore_eos": True, "stream": True})
-    first = None
-    for line in r.iter_lines():
-        if line.startswith(b"data: ") and first is None and b'"text"' in line:
-            first = time.monotonic()
-    return (time.monotonic() - first) / (n - 1)
 
 
 def pods(c, role: str | None = None) -> list[dict]:
