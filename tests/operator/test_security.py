@@ -7,18 +7,11 @@ import yaml
 
 from tandem.operator import desired as D
 from tandem.operator import security as SEC
-from tandem.operator.spec import SpecError, load_manifest
+from tandem.operator.spec import SpecError
+from test_desired import pool   # the example pool with a namespace and uid, as test_desired builds it
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(60)
-
-
-def pool(mutate=None, path="examples/smollm2.yaml"):
-    d = yaml.safe_load((ROOT / path).read_text())
-    d["metadata"].update(namespace="ns1", uid="u-1")
-    if mutate:
-        mutate(d)
-    return load_manifest(d)
 
 
 def deployments(objs):

@@ -18,7 +18,7 @@ import pytest
 import requests
 import yaml
 
-from fleet_utils import MODEL, ROOT, chat, metric, start_fleet, urls, wait_for
+from fleet_utils import MODEL, ROOT, metric, start_fleet, urls, wait_for
 from tandem.operator.local import free_port
 from tandem.operator.spec import load_manifest, worker_config
 from tandem.worker.api import auth
@@ -191,12 +191,17 @@ def test_a_second_pool_cannot_use_the_first_pools_workers(secured):
                            headers={"Authorization": f"Bearer {KEYS[1]}"}, timeout=300)
         assert ok.status_code == 200
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        _stop(proc, 20)
+
+
+def _stop(proc: subprocess.Popen, grace: float) -> None:
+    """SIGTERM (drain, then exit), SIGKILL after ``grace`` seconds."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def test_a_worker_run_alone_takes_api_keys(tmp_path):
@@ -223,12 +228,7 @@ def test_a_worker_run_alone_takes_api_keys(tmp_path):
         assert r.status_code == 200 and "Paris" in r.json()["choices"][0]["message"]["content"]
         assert requests.get(url + "/metrics", timeout=10).status_code == 200
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        _stop(proc, 30)
 
 
 def test_an_api_key_reference_the_manifest_cannot_satisfy_is_a_clear_error(tmp_path, monkeypatch):
