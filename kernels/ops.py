@@ -19,6 +19,7 @@ _OPS = {
     "silu_and_mul": ("tandem.kernels.activation", "silu_and_mul"),
     "prefill_attention": ("tandem.kernels.attention", "prefill_attention"),
     "decode_attention": ("tandem.kernels.attention", "decode_attention"),
+    "linear": ("tandem.kernels.linear", "linear"),
     "fp8_linear": ("tandem.kernels.fp8", "fp8_linear"),
     "quantize_per_token_fp8": ("tandem.kernels.fp8", "quantize_per_token_fp8"),
 }
@@ -33,6 +34,7 @@ class Ops:
     silu_and_mul: Callable
     prefill_attention: Callable
     decode_attention: Callable
+    linear: Callable
     fp8_linear: Callable
     quantize_per_token_fp8: Callable
 

@@ -16,6 +16,7 @@ import yaml
 
 from . import spec as S
 from tandem.worker.api.config import startup_seconds
+from tandem.worker.engine.cpu_features import CPU_THREADS_ENV
 
 LABEL_POOL = "serving.tandem.dev/pool"
 LABEL_ROLE = "serving.tandem.dev/role"
@@ -101,6 +102,23 @@ def desired_replicas(role: S.RoleSpec, current: Optional[int]) -> int:
         return a.minReplicas
     hi = a.maxReplicas if a.maxReplicas is not None else current
     return max(a.minReplicas, min(hi, current))
+
+
+def with_observed_replicas(want: dict[str, Any], pool: S.InferencePool, have: Optional[dict[str, Any]]) -> dict[str, Any]:
+    """``want`` (a role's Deployment) with the count taken from ``have``, the object it is compared with,
+    when that role is autoscaled and the Deployment exists.
+
+    The count must come from the same read as the comparison: taken from an earlier read, a scale by
+    the autoscaler in between made the pass see a changed count and apply the old one back (a second
+    writer of replicas, on the standby operator replica too). Returns ``want`` itself when nothing
+    changes."""
+    role = (want.get("metadata", {}).get("labels") or {}).get(LABEL_ROLE)
+    if have is None or role not in ("prefill", "decode"):
+        return want
+    count = desired_replicas(getattr(pool.spec, role), (have.get("spec") or {}).get("replicas", 1))
+    if count == want["spec"].get("replicas"):
+        return want
+    return {**want, "spec": {**want["spec"], "replicas": count}}
 
 
 def _resources(r: S.ResourceRequirements) -> dict[str, Any]:
@@ -197,7 +215,9 @@ def deployment(pool: S.InferencePool, role: str, replicas: int) -> dict[str, Any
             {"name": "HOME", "value": "/tmp"},
             # where `tandem serve` writes its fatal error; the kubelet reports it in lastState.terminated
             {"name": "TANDEM_TERMINATION_LOG", "value": TERMINATION_LOG},
-        ],
+        ] + ([{"name": CPU_THREADS_ENV, "valueFrom": {"resourceFieldRef": {   # torch threads = the CPU request
+            "containerName": "tandem", "resource": "requests.cpu", "divisor": "1"}}}]
+             if worker and (res.requests or {}).get("cpu") is not None else []),
         "terminationMessagePath": TERMINATION_LOG,
         # an error before the worker could write its message (an import, say) still shows: the log's tail
         "terminationMessagePolicy": "FallbackToLogsOnError",

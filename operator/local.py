@@ -36,6 +36,7 @@ import yaml
 
 from tandem.operator.spec import SpecError, initial_replicas, load_manifest, worker_config
 from tandem.worker.api import auth
+from tandem.worker.engine.cpu_features import CPU_THREADS_ENV, cpu_threads
 from tandem.worker.serve_cli import PARENT_PID_ENV
 
 
@@ -189,6 +190,10 @@ class LocalFleet:
         # top-level operator/ folder would shadow the standard library's `operator`
         env = {**self._credential_env(role), "PYTHONUNBUFFERED": "1", "PYTHONSAFEPATH": "1",
                PARENT_PID_ENV: str(os.getpid())}   # the process exits with this one (see serve_cli)
+        threads = cpu_threads((getattr(self.pool.spec, role).resources.requests or {}).get("cpu")) \
+            if role in ("prefill", "decode") else None
+        if threads:   # the role's CPU share, as its pod would have it (desired.py's Downward API env)
+            env[CPU_THREADS_ENV] = str(threads)
         popen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                  env=env, start_new_session=True)
         threading.Thread(target=_pump, args=(name, popen.stdout, self.out), daemon=True).start()

@@ -222,6 +222,8 @@ class Reconciler:
             for obj in want:
                 path = path_of(obj)
                 have = get(path)
+                if obj["kind"] == "Deployment":
+                    obj = D.with_observed_replicas(obj, pool, have)
                 if D.needs_apply(obj, have):
                     try:
                         have = self.kube.apply(path, obj)

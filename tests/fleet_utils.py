@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -71,12 +72,17 @@ def start_worker(role: str = "both", name: str = "e2e-both",
     """One ``tandem serve`` process from the example manifest's worker config (with ``overrides``);
     its output goes to ``log`` (an open file) when given."""
     from tandem.operator.spec import load_manifest, worker_config
+    from tandem.worker.engine.cpu_features import CPU_THREADS_ENV, cpu_threads
     pool = load_manifest(example_manifest(overrides, name))
     cfg = Path(tempfile.mkdtemp()) / "worker.yaml"
     cfg.write_text(worker_config(pool, role).to_yaml())
     port = free_port()
+    # the thread budget a fleet's worker of this role gets (operator/local.py); `both` runs as decode
+    threads = cpu_threads((getattr(pool.spec, "decode" if role == "both" else role).resources.requests or {})
+                          .get("cpu"))
+    env = {**os.environ, **({CPU_THREADS_ENV: str(threads)} if threads else {})}
     proc = subprocess.Popen([sys.executable, "-m", "tandem.worker.cli", "serve", "--role", role, "--config",
-                             str(cfg), "--port", str(port), "--kv-port", "0"], start_new_session=True,
+                             str(cfg), "--port", str(port), "--kv-port", "0"], start_new_session=True, env=env,
                             stdout=log, stderr=subprocess.STDOUT if log is not None else None)
     url = f"http://127.0.0.1:{port}"
     t_end = time.monotonic() + 300

@@ -95,6 +95,10 @@ async def _serve_worker(args, cfg) -> None:
         # termination message names the backend rather than whatever loading met first
         from tandem.kernels import flash
         flash.require()
+    from tandem.worker.engine.cpu_features import CPU_THREADS_ENV, apply_cpu_threads
+    threads = apply_cpu_threads()
+    if threads:
+        log.info("torch threads: %d (%s)", threads, CPU_THREADS_ENV)
     # The port answers from the start: /health shows the startup phase (503) while the engine loads.
     status = StartupStatus()
     front = StartingWorker(args.role, status)

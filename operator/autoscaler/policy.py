@@ -86,6 +86,7 @@ class _RoleState:
     events: deque = field(default_factory=deque)      # (at, delta) of applied changes
     demand: deque = field(default_factory=deque)      # (at, demand in the role's unit)
     correction: float = 1.0                           # capacity factor: real / modelled capacity
+    corrected_at: Optional[float] = None              # when the factor was last lowered, or last faded
     first_at: Optional[float] = None                  # this policy's first decision (restart or new spec)
 
 
@@ -294,8 +295,18 @@ class Autoscaler:
         window). Low latency at low load says nothing about capacity, so it teaches nothing."""
         rs, st, lim = snap.role(role), self.state[role], self.limits[role]
         lat = rs.latency
-        if (rs.signal != "ok" or rs.starting or rs.draining or rs.ready <= 0 or lat is None
-                or math.isnan(lat) or rs.arrivals_per_s <= 0):
+        known = lat is not None and not math.isnan(lat)
+        above = known and lat / lim.target > 1 + lim.tolerance
+        if st.correction < 1 and not above and st.corrected_at is not None and rs.window_s > 0:
+            # A lowered factor is evidence of one overload (on a shared CPU, often the machine's and not
+            # the replicas'); once the windows stop confirming it, it fades back to the calibration with
+            # a half-life of one metrics window. Kept for good, it would hold replicas up long after the
+            # overload, for a trickle that one replica serves (the flaw the guards exist for).
+            fade = 0.5 ** (max(0.0, snap.at - st.corrected_at) / rs.window_s)
+            st.correction = 1 - (1 - st.correction) * fade
+        st.corrected_at = snap.at
+        if (rs.signal != "ok" or rs.starting or rs.draining or rs.ready <= 0 or not known
+                or rs.arrivals_per_s <= 0):
             return
         ratio = lat / lim.target
         if ratio > 1 + lim.tolerance and planned <= rs.ready:

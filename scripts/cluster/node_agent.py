@@ -188,6 +188,20 @@ class PodRunner:
                 "spec.nodeName": self.agent.node, "spec.serviceAccountName": p.spec.service_account_name or ""
                 }.get(path, "")
 
+    @staticmethod
+    def _resource(c, ref) -> str:
+        """A ``resourceFieldRef`` as the kubelet fills it: the container's request or limit divided by
+        the divisor (default 1), rounded up; an unset limit reads as the node's capacity (here: its
+        cores), an unset request as 0."""
+        from kubernetes.utils.quantity import parse_quantity
+        kind, _, name = ref.resource.partition(".")
+        have = getattr(c.resources, kind, None) or {}
+        if name in have:
+            q = parse_quantity(have[name])
+        else:
+            q = parse_quantity(str(os.cpu_count())) if kind == "limits" and name == "cpu" else 0
+        return str(int(-(-q // parse_quantity(ref.divisor or "1"))))
+
     def prepare(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.setup_network()
@@ -216,6 +230,8 @@ class PodRunner:
                 env[e.name] = rewrite(e.value)
             elif e.value_from is not None and e.value_from.field_ref is not None:
                 env[e.name] = self._field(e.value_from.field_ref.field_path)
+            elif e.value_from is not None and e.value_from.resource_field_ref is not None:
+                env[e.name] = self._resource(c, e.value_from.resource_field_ref)
         kc = self._kubeconfig()
         if kc:
             env["KUBECONFIG"] = kc

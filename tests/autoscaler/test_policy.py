@@ -10,6 +10,7 @@ import pytest
 
 from tandem.operator.autoscaler.policy import Autoscaler
 from tandem.operator.autoscaler.snapshot import PoolSnapshot, RoleSnapshot
+from tandem.operator.simulate.tune import DEFAULT_CALIBRATION
 from tandem.operator.spec import InferencePoolSpec
 from tandem.worker.bench.calibration import Calibration
 
@@ -230,7 +231,11 @@ def test_perf_model_agrees_with_the_calibration():
     s = perf.remote_prefill_seconds(256)
     sizes = [perf.prefill_replicas(a, s, 3 * s) for a in (0.5, 2, 5, 10)]
     assert sizes == sorted(sizes) and sizes[-1] > 10
-    assert perf.decode_slots(1.5 * perf.decode_step_seconds(1, 300), 300)[0] < 2   # CPU: batch 2 misses
+    # the shipped CPU calibration (one thread per worker): a batch-2 step is ~1.4x a batch-1 step, so a
+    # replica holds 2-5 sequences at a 1.5x TPOT target (the scenarios' older one held 1: batch 2 missed)
+    assert 2 < perf.decode_slots(1.5 * perf.decode_step_seconds(1, 300), 300)[0] < 5
+    old = PerfModel.of(Calibration.load(DEFAULT_CALIBRATION))
+    assert old.decode_slots(1.5 * old.decode_step_seconds(1, 300), 300)[0] < 2
     assert perf.decode_slots(10.0, 300)[0] > 8
 
 
@@ -247,3 +252,23 @@ def test_a_fresh_policy_holds_the_count_for_a_whole_down_window():
     for at in (0, 2, 4, 10, 19):
         assert idle(at).decode.desired == 2, at          # held through the first 20 s
     assert idle(21).decode.desired == 1                  # then the idle pool goes down, one step
+
+
+def test_a_capacity_factor_learned_in_an_overload_fades_once_windows_stop_confirming_it():
+    """Over target while the model says the ready replicas suffice: the factor drops (capacity was
+    overrated). Afterwards, with no breach, it fades back toward 1 with a half-life of one metrics window
+    (30 s here), so a trickle later is sized on the calibration again; a factor above 1 is left alone."""
+    a = Autoscaler(spec(), CAL)
+    for i in range(6):                       # 6 ticks over target at a load 2 replicas carry by the model
+        steady(a, 5 * i, 0.05, 2, 2, dec_lat=2 * TPOT)
+    low = a.state["decode"].correction
+    assert low < 0.6, low
+    steady(a, 25 + 30, 0.05, 2, 2, dec_lat=0.5 * TPOT)           # one window later: half the gap left
+    assert a.state["decode"].correction == pytest.approx(1 - (1 - low) / 2, rel=1e-6)
+    steady(a, 25 + 120, 0.05, 2, 2, dec_lat=0.5 * TPOT)
+    assert a.state["decode"].correction > 0.95
+    steady(a, 25 + 125, 0.05, 2, 2, dec_lat=2 * TPOT)             # a breach: the fade stops, it drops again
+    assert a.state["decode"].correction < 0.9
+    a.state["decode"].correction = 1.5
+    steady(a, 25 + 400, 0.05, 2, 2, dec_lat=0.5 * TPOT)
+    assert a.state["decode"].correction == 1.5

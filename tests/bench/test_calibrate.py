@@ -18,17 +18,10 @@ pytestmark = pytest.mark.timeout(900)
 
 @pytest.fixture(scope="module")
 def worker():
-    # one torch thread: on a shared 2-core machine a 2-thread matmul waits for its slower thread
-    # whenever another process runs, which makes latencies jump; one thread is only ever delayed
-    old = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"
-    try:
-        proc, url = start_worker("both", name="calibrate")
-    finally:
-        if old is None:
-            os.environ.pop("OMP_NUM_THREADS")
-        else:
-            os.environ["OMP_NUM_THREADS"] = old
+    # one torch thread: the example's decode requests one CPU, and start_worker gives the worker the
+    # thread budget a fleet's would have (on a shared 2-core machine a 2-thread matmul waits for its
+    # slower thread whenever another process runs, which makes latencies jump)
+    proc, url = start_worker("both", name="calibrate")
     yield url
     proc.send_signal(signal.SIGTERM)
     try:

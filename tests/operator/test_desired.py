@@ -89,6 +89,25 @@ def test_autoscaled_replicas_are_clamped_current():
     assert D.desired_replicas(p.spec.decode, 0) == 1
 
 
+def test_an_autoscaled_count_comes_from_the_object_compared():
+    """A pass read the count (3), the autoscaler then scaled to 2: the pass must compare and apply with
+    2, or it writes 3 back (the standby operator replica's replica write, issue 11)."""
+    p = pool(path="examples/llama3-8b-autoscaled.yaml")
+    want = by_key(D.desired_objects(p, D.Capabilities(), {"prefill": 3, "decode": 3}))
+    dep = want[("Deployment", f"{p.metadata.name}-prefill")]
+    have = copy.deepcopy(dep)
+    have["spec"]["replicas"] = 2
+    assert D.needs_apply(dep, have)                              # the bug: the old count differs
+    fixed = D.with_observed_replicas(dep, p, have)
+    assert fixed["spec"]["replicas"] == 2 and not D.needs_apply(fixed, have)
+    assert dep["spec"]["replicas"] == 3                          # the cached desired object is untouched
+    have["spec"]["replicas"] = 50                                # outside [min, max]: clamped
+    assert D.with_observed_replicas(dep, p, have)["spec"]["replicas"] == 8
+    assert D.with_observed_replicas(dep, p, None) is dep         # creation keeps the desired count
+    router = want[("Deployment", f"{p.metadata.name}-router")]
+    assert D.with_observed_replicas(router, p, copy.deepcopy(router)) is router
+
+
 def test_needs_apply_compares_before_applying():
     want = D.desired_objects(pool())[0]
     have = copy.deepcopy(want)

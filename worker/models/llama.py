@@ -127,7 +127,7 @@ class LlamaModel:
             return self.ops.fp8_linear(x, w[0], w[1], bias)
         if self.int8:
             return int8_linear(x, w[0], w[1], bias)
-        return F.linear(x, w, bias)
+        return self.ops.linear(x, w, bias)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -178,4 +178,4 @@ class LlamaModel:
         if logits_indices is not None:
             h, residual = h[logits_indices], residual[logits_indices]
         x, _ = ops.rms_norm(h, self.norm, c.rms_norm_eps, residual)
-        return F.linear(x, self.lm_head).float()
+        return self.ops.linear(x, self.lm_head).float()

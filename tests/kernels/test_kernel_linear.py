@@ -1,0 +1,30 @@
+"""The CPU linear layer (:mod:`tandem.kernels.linear`): the BLAS call it picks per row count gives
+``F.linear``'s values, with and without a bias, for one row (oneDNN) and for several (``(w @ x.T).T``)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tandem.kernels.linear import linear_ref
+from tandem.kernels.ops import select_ops
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 17])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_matches_f_linear(dtype, tol, rows, bias):
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 96, generator=g).to(dtype)
+    w = torch.randn(160, 96, generator=g).to(dtype) / 10
+    b = torch.randn(160, generator=g).to(dtype) if bias else None
+    out = linear_ref(x, w, b)
+    ref = F.linear(x.double(), w.double(), None if b is None else b.double())
+    assert out.shape == (rows, 160) and out.dtype == dtype and out.is_contiguous()
+    err = ((out.double() - ref).abs().max() / ref.abs().max()).item()
+    assert err < tol, err
+
+
+def test_every_backend_has_the_linear_op():
+    for backend in ("torch", "triton"):
+        assert select_ops(backend).linear(torch.ones(2, 4), torch.eye(4)).tolist() == [[1.0] * 4] * 2
