@@ -16,9 +16,12 @@ from typing import Callable, Optional
 from .snapshot import Decision, PoolSnapshot
 
 
-def http_json(method: str, url: str, timeout: float = 5.0, headers: Optional[dict] = None) -> dict:
-    """One JSON request; raises OSError (URLError included) or ValueError."""
-    req = urllib.request.Request(url, method=method, data=b"{}" if method == "POST" else None,
+def http_json(method: str, url: str, timeout: float = 5.0, headers: Optional[dict] = None,
+              body: Optional[dict] = None) -> dict:
+    """One JSON request (a POST sends ``body``, default ``{}``); raises OSError (URLError included) or
+    ValueError."""
+    data = json.dumps(body or {}).encode() if method == "POST" else None
+    req = urllib.request.Request(url, method=method, data=data,
                                  headers={"Content-Type": "application/json", **(headers or {})})
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return json.loads(r.read() or b"{}")
@@ -50,6 +53,14 @@ def start_drain(url: str, timeout: float = 5.0, headers: Optional[dict] = None) 
     docs/security.md). Raises OSError or ValueError when the worker does not answer."""
     http_json("POST", url.rstrip("/") + "/drain", timeout, headers)
     return http_json("GET", url.rstrip("/") + "/drain", timeout)
+
+
+def push_absorb_bursts(url: str, seconds: float, timeout: float = 2.0, headers: Optional[dict] = None) -> dict:
+    """Tell a router to prefill bursts on decode workers with headroom (TokenScale's burst absorption)
+    for the next ``seconds`` (0 stops it): ``POST /absorb-bursts``. The router forgets it when the time
+    is up, so a leader that dies leaves nothing on. ``headers``: the pool token (the router takes this
+    only from its pool). Raises OSError or ValueError when the router does not answer."""
+    return http_json("POST", url.rstrip("/") + "/absorb-bursts", timeout, headers, {"seconds": seconds})
 
 
 def wait_drained(url: str, timeout: float, poll_s: float = 0.5, stop: Optional[Callable[[], bool]] = None) -> bool:

@@ -41,7 +41,7 @@ from .. import spec as S
 from ..kube import Kube, KubeError, object_path
 from ..security import SECRET_KEY, pool_secret_name
 from tandem.worker.api.auth import pool_headers
-from .actuate import decision_record, least_loaded, start_drain, summary, wait_drained
+from .actuate import decision_record, least_loaded, push_absorb_bursts, start_drain, summary, wait_drained
 from .pods_source import PodsSource, Targets, Worker
 
 log = logging.getLogger("tandem.autoscaler")
@@ -98,6 +98,7 @@ class _PoolState:
         else:
             self.source = PodsSource(window_s, pct, stale_s=max(window_s, 3 * interval_s))
         self.draining: dict[str, dict] = {}     # pod name -> drain record (in progress)
+        self.absorbing = False                   # the routers were last told to absorb bursts
         self.last_key: Optional[tuple] = None
         self.limited: Optional[tuple] = None
 
@@ -108,7 +109,7 @@ class _PoolState:
         Starting afresh would forget the last scale-up (its periodSeconds limit) and act on a window
         of metrics that the old generation had already acted on (seen in tests/e2e)."""
         self.policy.state = old.policy.state
-        self.draining = old.draining
+        self.draining, self.absorbing = old.draining, old.absorbing
         self.last_key, self.limited = old.last_key, old.limited
         if isinstance(old.source, PodsSource) and isinstance(self.source, PodsSource) and \
                 (old.source.window_s, old.source.percentiles) == (self.source.window_s, self.source.percentiles):
@@ -202,6 +203,8 @@ class KubeAutoscaler:
         self._record(body, pool, st, decision, snap, acted)
         if not acted:
             return
+        if decision.absorb_bursts or st.absorbing:
+            self._absorb(pool, st, pods, decision.absorb_bursts)
         for role in ROLES:
             a = getattr(pool.spec, role).autoscaling
             if a is None or not a.enabled:
@@ -230,6 +233,25 @@ class KubeAutoscaler:
                     log.warning("autoscaler: %s/%s: no ready %s pod answers; not scaling down", ns, name, role)
                     continue
                 self._drain(body, pool, st, role, victim, d.reason)
+
+    def _absorb(self, pool: S.InferencePool, st: _PoolState, pods: list[dict], on: bool) -> None:
+        """Tell each ready router pod to prefill bursts on decode workers with headroom for three ticks
+        (renewed every tick while the decision asks; it lapses by itself if this leader dies), or to
+        stop. Best effort: a router that does not answer is told again on the next tick."""
+        ns, name = pool.metadata.namespace, pool.metadata.name
+        routers = [p for p in pods if p["metadata"].get("labels", {}).get(D.LABEL_ROLE) == "router"
+                   and _ready(p) and (p.get("status") or {}).get("podIP")]
+        seconds = 3 * self.interval_s if on else 0.0
+        ok = True
+        for p in routers:
+            try:
+                push_absorb_bursts(self._url(p), seconds, headers=self._pool_headers(ns, name))
+            except (OSError, ValueError) as e:
+                ok = False
+                log.warning("autoscaler: %s/%s: router %s: absorb-bursts: %s", ns, name, p["metadata"]["name"], e)
+        if on != st.absorbing and ok:
+            log.info("autoscaler: %s/%s: burst absorption %s", ns, name, "on" if on else "off")
+        st.absorbing = on or not ok
 
     def _url(self, pod: dict) -> str:
         return f"http://{pod['status']['podIP']}:{self.port}"

@@ -37,3 +37,20 @@ def test_burst_absorption_prefills_locally_only_with_headroom():
     assert decide([roomy], prefill, 64, hashes, 0).reason == "remote"
     assert decide([roomy], prefill, 64, hashes, 0, absorb_bursts=True).reason == "absorb_burst"
     assert decide([full], prefill, 64, hashes, 0, absorb_bursts=True).reason == "remote"
+
+
+def test_a_finished_stream_stops_counting_at_its_last_event():
+    """The router's own count of a worker's load drops at the stream's ``[DONE]`` (``release``), not when
+    the handler ends: a client's next request, sent at ``[DONE]``, must see the worker free, or on a tie
+    it joins another stream's worker and leaves this one idle (tests/e2e found the drain picking it)."""
+    from tandem.worker.router.app import _Load
+    from tandem.worker.router.policy import Decision, pick_decode
+    a, b = WorkerState("http://a", num_blocks=100, free_blocks=90), WorkerState("http://b", num_blocks=100,
+                                                                                free_blocks=50)
+    with _Load(Decision(a, None, "remote")):                 # stream 1 on a
+        with _Load(Decision(b, None, "remote")) as second:   # stream 2 on b
+            assert (a.in_flight, b.in_flight) == (1, 1)
+            second.release()                                 # b's stream sent [DONE]
+            assert pick_decode([a, b]) is b                  # the next request goes to b, not to a's tie
+        assert b.in_flight == 0                              # the handler's end does not count it twice
+    assert a.in_flight == 0

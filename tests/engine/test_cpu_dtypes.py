@@ -128,3 +128,25 @@ def test_int8_logits_within_5e2_of_fp32_and_paris(fp32_engine):
     q = sum(t.numel() * t.element_size() for k in ("qkv", "o", "gate_up", "down")
             for t in eng.runner.model.layers[0][k])
     assert q < 0.26 * fp
+
+
+def test_the_cpu_linear_path_gives_the_eager_greedy_tokens(fp32_engine):
+    """``ops.linear`` (oneDNN for one row, ``(w @ x.T).T`` for more: kernels/linear.py) against plain
+    ``F.linear`` through the whole engine: the same greedy tokens for a batch of three prompts (the
+    decode steps run 3 rows, then fewer as prompts finish) and for one prompt alone (1 row)."""
+    import dataclasses
+
+    import torch.nn.functional as F
+    model = fp32_engine.runner.model
+    prompts = [fp32_engine.tokenize(p) for p in PROMPTS]
+
+    def greedy(batch):
+        return [o.new_token_ids for o in fp32_engine.generate(batch, {"temperature": 0, "max_tokens": 24})]
+    fast = greedy(prompts), greedy(prompts[:1])
+    ops = model.ops
+    model.ops = dataclasses.replace(ops, linear=F.linear)
+    try:
+        eager = greedy(prompts), greedy(prompts[:1])
+    finally:
+        model.ops = ops
+    assert fast == eager

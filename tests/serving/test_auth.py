@@ -312,3 +312,27 @@ def test_bench_client_sends_the_api_key(secured):
     assert asyncio.run(one(None)).error_kind == "http_401"
     rec = asyncio.run(one(KEYS[0]))
     assert rec.ok and rec.completion_tokens == 2, (rec.error_kind, rec.error)
+
+
+def test_only_the_pool_may_switch_the_routers_burst_absorption(secured):
+    """POST /absorb-bursts (the operator's, on Kubernetes) takes the pool token and nothing else; while
+    on, the router prefills on the decode worker (`absorb_burst` decisions), and it stops when told."""
+    url, key = secured.endpoint, {"Authorization": f"Bearer {KEYS[0]}"}
+    absorbed = lambda: metric(url, "tandem:router_routing_decisions_total", decision="absorb_burst")  # noqa: E731
+    refused0 = refusals(url, "/absorb-bursts")
+    for headers in ({}, key, auth.pool_headers(b"another-pool-secret-0123456789")):
+        r = requests.post(url + "/absorb-bursts", json={"seconds": 60}, headers=headers, timeout=10)
+        assert r.status_code == 401, (headers, r.text)
+    assert refusals(url, "/absorb-bursts") == refused0 + 3
+    for bad in ({"seconds": -1}, {"seconds": "soon"}, {"seconds": 1e9}):
+        r = requests.post(url + "/absorb-bursts", json=bad, headers=secured.worker_headers, timeout=10)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "seconds", r.text
+    before = absorbed()
+    r = requests.post(url + "/absorb-bursts", json={"seconds": 60}, headers=secured.worker_headers, timeout=10)
+    assert r.status_code == 200 and r.json()["absorbBursts"] is True
+    assert requests.post(url + "/v1/chat/completions", json=body(), headers=key, timeout=300).status_code == 200
+    assert absorbed() == before + 1
+    r = requests.post(url + "/absorb-bursts", json={"seconds": 0}, headers=secured.worker_headers, timeout=10)
+    assert r.status_code == 200 and r.json()["absorbBursts"] is False
+    assert requests.post(url + "/v1/chat/completions", json=body(), headers=key, timeout=300).status_code == 200
+    assert absorbed() == before + 1

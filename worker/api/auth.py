@@ -46,7 +46,10 @@ POOL_SECRET_FILE_ENV = "TANDEM_POOL_SECRET_FILE"
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
 #: the ``endpoint`` label values of refusals; any other path counts as "other" (a scanner must not
 #: make a series per path it tries)
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/drain", "other", "kv")
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/drain", "/absorb-bursts", "other", "kv")
+#: paths only the pool may call (the operator's control of a router): the pool token, never an API key;
+#: their handlers check it (:func:`pool_only`), since a router's middleware takes API keys alone
+POOL_ONLY_PATHS = frozenset({"/absorb-bursts"})
 _TOKEN_CONTEXT = b"tandem-pool-token-v1"
 _SPLIT = re.compile(r"[\s,]+")
 
@@ -151,8 +154,25 @@ def _bearer(request: web.Request) -> Optional[str]:
 
 
 def is_open(request: web.Request) -> bool:
-    """Probes, scrapes and the drain status need no credential."""
-    return request.path in OPEN_PATHS or (request.path == "/drain" and request.method == "GET")
+    """Probes, scrapes and the drain status need no credential; pool-only paths are checked by their
+    handlers (:func:`pool_only`)."""
+    return request.path in OPEN_PATHS or request.path in POOL_ONLY_PATHS or \
+        (request.path == "/drain" and request.method == "GET")
+
+
+def pool_only(request: web.Request, secret: Optional[bytes],
+              on_refused: Optional[Callable[[str], None]] = None) -> Optional[web.Response]:
+    """None when ``request`` carries the pool token of ``secret`` (or the pool has no secret: an open
+    local fleet); otherwise the 401 to send, counted by ``on_refused``. An API key never passes."""
+    if secret is None:
+        return None
+    presented = request.headers.get(POOL_TOKEN_HEADER)
+    if presented is not None and hmac.compare_digest(presented.encode(), pool_token(secret).encode()):
+        return None
+    if on_refused is not None:
+        on_refused(request.path if request.path in ENDPOINTS else "other")
+    return web.json_response(error_body("Only the pool's operator may call this (no valid pool token).", 401,
+                                        None, "invalid_request_error"), status=401)
 
 
 def auth_middleware(keys: Optional[KeyStore], secret: Optional[bytes],

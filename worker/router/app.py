@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from contextlib import contextmanager
 import logging
 import time
 
@@ -73,6 +72,8 @@ class Router:
         self.metrics = Metrics("router", pool)
         self.api_keys = api_keys
         self.worker_headers = auth.pool_headers(pool_secret)
+        self.pool_secret = pool_secret
+        self.absorb_until = 0.0                    # monotonic time until which bursts prefill on decode
         self.workers: dict[str, WorkerState] = {}
         self.session: aiohttp.ClientSession | None = None
         self._poller: asyncio.Task | None = None
@@ -81,8 +82,30 @@ class Router:
         self.queued = 0
 
     def app(self) -> web.Application:
-        return auth.install(openai_app(self, self.max_request_bytes), self.api_keys, None,
-                            self.metrics.auth_refused)
+        app = auth.install(openai_app(self, self.max_request_bytes), self.api_keys, None,
+                           self.metrics.auth_refused)
+        app.router.add_post("/absorb-bursts", self.absorb_bursts)
+        return app
+
+    async def absorb_bursts(self, request: web.Request) -> web.Response:
+        """``POST /absorb-bursts {"seconds": s}`` (the pool token only): prefill on decode workers with
+        headroom for the next ``s`` seconds (0 stops), as the autoscaler's decision asks while new
+        prefill replicas start (operator/autoscaler/kube_loop.py; the local fleet uses its discovery
+        file instead). Bounded to an hour; it lapses by itself, so a dead operator leaves nothing on."""
+        refused = auth.pool_only(request, self.pool_secret, self.metrics.auth_refused)
+        if refused is not None:
+            return refused
+        try:
+            seconds = float((await request.json()).get("seconds", 0))
+            if not 0 <= seconds <= 3600:
+                raise ValueError(seconds)
+        except (ValueError, TypeError, AttributeError, json.JSONDecodeError):
+            return json_error('body must be {"seconds": a number from 0 to 3600}', 400, "seconds")
+        self.absorb_until = time.monotonic() + seconds
+        return web.json_response({"absorbBursts": seconds > 0, "seconds": seconds})
+
+    def _absorbing(self) -> bool:
+        return time.monotonic() < self.absorb_until or getattr(self.discovery, "absorb_bursts", lambda: False)()
 
     async def _startup(self, app) -> None:
         self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=3))
@@ -216,7 +239,7 @@ class Router:
                 return decide(decodes, self._states(self.discovery.prefill_urls()), len(ids),
                               hashes_for(fp_worker) if fp_worker else [], self.remote_min, self.routing,
                               tried, self._rr,
-                              absorb_bursts=getattr(self.discovery, "absorb_bursts", lambda: False)())
+                              absorb_bursts=self._absorbing())
             while True:
                 d = await self._wait_for_decode(decide_fn)
                 if d is None:
@@ -228,7 +251,7 @@ class Router:
                 headers = {"Content-Type": "application/json", **self.worker_headers}
                 if d.prefill is not None:
                     headers[PREFILL_PEER_HEADER] = d.prefill.url
-                with _load(d):
+                with _Load(d) as load:
                     t_send = time.monotonic()
                     try:
                         upstream = await self.session.post(d.decode.url + path, data=raw, headers=headers)
@@ -257,7 +280,7 @@ class Router:
                         if d.prefill:
                             d.prefill.remember(hashes)
                     if req.stream and upstream.status == 200:
-                        return await self._relay_stream(request, upstream, t0, client_usage, place)
+                        return await self._relay_stream(request, upstream, t0, client_usage, place, load.release)
                     return await self._relay_full(upstream, t0, t_send, place)
         finally:
             self.in_flight -= 1
@@ -282,7 +305,9 @@ class Router:
             return resp
 
     async def _relay_stream(self, request, upstream: aiohttp.ClientResponse, t0: float,
-                            client_usage: bool, place: str) -> web.StreamResponse:
+                            client_usage: bool, place: str, on_last=lambda: None) -> web.StreamResponse:
+        """Relay an SSE stream; ``on_last()`` runs when the ``[DONE]`` event arrives, before the client
+        gets it (the router's count of the worker's load drops there: see :class:`_Load`)."""
         resp = web.StreamResponse(status=upstream.status, headers={
             k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS})
         await resp.prepare(request)
@@ -301,6 +326,8 @@ class Router:
                                 continue
                         if obj is not None and _has_token_text(obj):
                             timer.tick()
+                        if ev.startswith(b"data: [DONE]"):
+                            on_last()
                         out.append(ev + b"\n\n")
                     if out:
                         await resp.write(b"".join(out))
@@ -317,17 +344,30 @@ class Router:
         return resp
 
 
-@contextmanager
-def _load(d):
-    """Count a request against the workers a decision names, for as long as it is in flight."""
-    workers = [w for w in (d.decode, d.prefill) if w is not None]
-    for w in workers:
-        w.in_flight += 1
-    try:
-        yield
-    finally:
-        for w in workers:
+class _Load:
+    """Count a request against the workers a decision names while it is in flight: from the decision
+    until the stream's last event (:meth:`release`, once) or the handler's end, whichever comes first.
+
+    At the last event, not at the handler's end: a client that counts a stream done at ``[DONE]`` sends
+    its next request while the router still waits for the worker to close the stream, and that request
+    saw the finished one still counted; on a tie it could join the other stream on one worker, leaving
+    this one idle (found by tests/e2e: the drain then found that worker empty)."""
+
+    def __init__(self, d):
+        self.workers = [w for w in (d.decode, d.prefill) if w is not None]
+        for w in self.workers:
+            w.in_flight += 1
+
+    def release(self) -> None:
+        for w in self.workers:
             w.in_flight -= 1
+        self.workers = []
+
+    def __enter__(self) -> "_Load":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
 
 
 def _event_json(event: bytes) -> dict | None:
