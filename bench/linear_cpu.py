@@ -38,7 +38,7 @@ def main() -> None:
     torch.manual_seed(0)
     weights = [torch.randn(o, i) for _ in range(LAYERS) for o, i in SHAPES] + [torch.randn(VOCAB, HIDDEN)]
     print(f"{torch.get_num_threads()} threads; {sum(w.numel() * 4 for w in weights) / 2**20:.0f} MiB of fp32 weights")
-    print(f"| rows | {' | '.join(VARIANTS)} | best / F.linear | tandem / F.linear |")
+    print(f"| rows | {' | '.join(VARIANTS)} | speed-up of the best | speed-up of tandem |")
     print("|---" * (len(VARIANTS) + 3) + "|")
     for m in [int(r) for r in args.rows.split(",")]:
         xs = {k: torch.randn(m, k) for k in (HIDDEN, INTER)}
