@@ -54,3 +54,34 @@ def test_a_finished_stream_stops_counting_at_its_last_event():
             assert pick_decode([a, b]) is b                  # the next request goes to b, not to a's tie
         assert b.in_flight == 0                              # the handler's end does not count it twice
     assert a.in_flight == 0
+
+
+def test_a_worker_that_drops_out_of_discovery_for_a_moment_keeps_its_count():
+    """One slow readiness probe takes a pod out of its Endpoints for a few seconds. The router must not
+    forget the streams it sent there: re-added at 0, the pod drew new requests onto its running ones
+    and left a peer idle (the e2e story's drain then found that peer empty). An idle one is forgotten."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from tandem.worker.router.app import Router, _Load
+    from tandem.worker.router.policy import Decision, pick_decode
+    lists = {"decode": ["http://a", "http://b"]}
+    r = object.__new__(Router)    # the router's state only: no tokenizer, no sockets
+    r.discovery = SimpleNamespace(prefill_urls=lambda: [], decode_urls=lambda: list(lists["decode"]))
+    r.workers = {}
+
+    async def no_poll(w):         # stand-in for the /health poll (no workers run here)
+        w.free_blocks, w.num_blocks = 50, 100
+    r._poll = no_poll
+    asyncio.run(r.poll_once())
+    a, b = r.workers["http://a"], r.workers["http://b"]
+    with _Load(Decision(a, None, "remote")):                  # a stream on a
+        lists["decode"] = ["http://b"]                        # a's probe was slow: gone for a moment
+        asyncio.run(r.poll_once())
+        lists["decode"] = ["http://a", "http://b"]
+        asyncio.run(r.poll_once())
+        assert r.workers["http://a"] is a and a.in_flight == 1
+        assert pick_decode(r._states(lists["decode"])) is b   # the next stream goes to the idle one
+    lists["decode"] = ["http://b"]
+    asyncio.run(r.poll_once())
+    assert "http://a" not in r.workers                        # idle and gone: forgotten

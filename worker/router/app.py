@@ -136,7 +136,11 @@ class Router:
     async def poll_once(self) -> None:
         urls = set(self.discovery.prefill_urls()) | set(self.discovery.decode_urls())
         for gone in set(self.workers) - urls:
-            del self.workers[gone]
+            # a worker that drops out of discovery for a moment (one slow readiness probe takes a pod
+            # out of its Endpoints) keeps its count while its streams run: forgotten and re-added at 0,
+            # it drew new requests onto streams it still served, and left a peer idle
+            if self.workers[gone].in_flight <= 0:
+                del self.workers[gone]
         await asyncio.gather(*(self._poll(w) for w in self._states(sorted(urls))))
 
     async def _poll_forever(self) -> None:
