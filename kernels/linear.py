@@ -19,6 +19,17 @@ import torch.nn.functional as F
 
 
 def linear_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ w.T (+ bias)``: :func:`linear` (the reference and the Triton backends share it)."""
+    return linear(x, w, bias)
+
+
+def linear_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The Triton backends' linear: ``F.linear`` on a GPU (cuBLAS picks its kernel per shape), the CPU
+    choice of :func:`linear` elsewhere."""
+    return linear(x, w, bias)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ w.T (+ bias)``.
 
     Args:
@@ -36,7 +47,3 @@ def linear_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = Non
     out = torch.mm(w, x.t()).t().contiguous()
     return out if bias is None else out.add_(bias)
 
-
-def linear_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The Triton backends' linear: ``F.linear`` (cuBLAS on a GPU; see :func:`linear_ref` for CPUs)."""
-    return linear_ref(x, w, bias)
