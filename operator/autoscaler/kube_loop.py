@@ -242,10 +242,11 @@ class KubeAutoscaler:
         routers = [p for p in pods if p["metadata"].get("labels", {}).get(D.LABEL_ROLE) == "router"
                    and _ready(p) and (p.get("status") or {}).get("podIP")]
         seconds = 3 * self.interval_s if on else 0.0
+        headers = self._pool_headers(ns, name) if routers else {}   # one Secret read per tick, not per router
         ok = True
         for p in routers:
             try:
-                push_absorb_bursts(self._url(p), seconds, headers=self._pool_headers(ns, name))
+                push_absorb_bursts(self._url(p), seconds, headers=headers)
             except (OSError, ValueError) as e:
                 ok = False
                 log.warning("autoscaler: %s/%s: router %s: absorb-bursts: %s", ns, name, p["metadata"]["name"], e)

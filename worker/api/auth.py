@@ -164,15 +164,18 @@ def pool_only(request: web.Request, secret: Optional[bytes],
               on_refused: Optional[Callable[[str], None]] = None) -> Optional[web.Response]:
     """None when ``request`` carries the pool token of ``secret`` (or the pool has no secret: an open
     local fleet); otherwise the 401 to send, counted by ``on_refused``. An API key never passes."""
-    if secret is None:
-        return None
-    presented = request.headers.get(POOL_TOKEN_HEADER)
-    if presented is not None and hmac.compare_digest(presented.encode(), pool_token(secret).encode()):
+    if secret is None or _has_token(request, pool_token(secret).encode()):
         return None
     if on_refused is not None:
         on_refused(request.path if request.path in ENDPOINTS else "other")
     return web.json_response(error_body("Only the pool's operator may call this (no valid pool token).", 401,
                                         None, "invalid_request_error"), status=401)
+
+
+def _has_token(request: web.Request, token: bytes) -> bool:
+    """Whether ``request`` carries ``token`` in :data:`POOL_TOKEN_HEADER` (constant-time compare)."""
+    presented = request.headers.get(POOL_TOKEN_HEADER)
+    return presented is not None and hmac.compare_digest(presented.encode(), token)
 
 
 def auth_middleware(keys: Optional[KeyStore], secret: Optional[bytes],
@@ -188,10 +191,8 @@ def auth_middleware(keys: Optional[KeyStore], secret: Optional[bytes],
     async def check(request: web.Request, handler):
         if is_open(request):
             return await handler(request)
-        if token is not None:
-            presented = request.headers.get(POOL_TOKEN_HEADER)
-            if presented is not None and hmac.compare_digest(presented.encode(), token):
-                return await handler(request)
+        if token is not None and _has_token(request, token):
+            return await handler(request)
         bearer = _bearer(request)
         if keys is not None and bearer is not None and keys.check(bearer):
             return await handler(request)

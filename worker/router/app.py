@@ -355,7 +355,8 @@ class _Load:
     At the last event, not at the handler's end: a client that counts a stream done at ``[DONE]`` sends
     its next request while the router still waits for the worker to close the stream, and that request
     saw the finished one still counted; on a tie it could join the other stream on one worker, leaving
-    this one idle (found by tests/e2e: the drain then found that worker empty)."""
+    this one idle (suspected in tests/e2e, where a drain found a worker empty; this fix alone did not
+    change that, docs/e2e.md)."""
 
     def __init__(self, d):
         self.workers = [w for w in (d.decode, d.prefill) if w is not None]
