@@ -257,11 +257,22 @@ def test_two_operator_replicas_one_lease_holder_writes_and_a_takeover_follows_it
         cluster.kubectl("delete", "pod", holder, "-n", OPERATOR_NS, "--grace-period=0", "--force", "--wait=false",
                         check=False)
         t_kill = time.time()
-        other = next(n for n in names if n != holder)
-        wait_for(lambda: (kget(cluster, "lease", LEASE, ns=OPERATOR_NS) or {}).get("spec", {})
-                 .get("holderIdentity") == other, 60, "the takeover")
+        # the standby normally takes over; the Deployment's replacement pod may win the race on a loaded
+        # machine (its first read starts its own lease clock): either is a takeover, the dead one is not
+        def new_holder():
+            h = ((kget(cluster, "lease", LEASE, ns=OPERATOR_NS) or {}).get("spec") or {}).get("holderIdentity")
+            return h if h and h != holder else None
+        try:
+            other = wait_for(new_holder, 60, "the takeover")
+        except TimeoutError as e:
+            pods_now = [(p["metadata"]["name"], p["status"].get("phase"), bool(p["metadata"].get("deletionTimestamp")))
+                        for p in operator.pods()]
+            raise AssertionError(f"{e}\nlease: {kget(cluster, 'lease', LEASE, ns=OPERATOR_NS)}\nkilled {holder}; "
+                                 f"pods then: {names}; now: {pods_now}\n{operator.logs(tail=4000)}") from None
         took = time.time() - t_kill
-        assert took < 8 + 2 + 10, took            # lease duration + renew period, with a wide margin
+        assert other in names or other in [p["metadata"]["name"] for p in operator.pods()], other
+        # lease duration + renew period, with a wide margin (and a replacement pod's start, if it won)
+        assert took < 8 + 2 + 20, took
         m2 = audit.mark()
         script.rate = 0.0                           # idle: the new holder scales down
         wait_for(lambda: deployment_replicas(cluster, "decode") < 3, 120, "a scale-down by the new holder")
