@@ -6,9 +6,11 @@ for one row (a matrix-vector product), but from two rows on it goes through MKL'
 as the transposed operand, which on the CPUs measured here (AMD EPYC, AVX2, MKL 2024.2) takes about as
 long for 2 rows as for 8 and 2x as long as for one: a batch-2 decode step cost 2x a batch-1 step.
 Asking for the same product the other way round, ``(w @ x.T).T``, puts the weight in the non-transposed
-operand, and for 2 to 128 rows it runs 1.3-2.5x faster; for one row, oneDNN's linear
-(``mkldnn._linear_pointwise``, the op Inductor emits for CPU linears) beats MKL's matrix-vector product
-by about 1.3x. Figures and the command that measures them: docs/cpu.md.
+operand, and for 2 to 7 rows it runs about 2x faster. For one row, and from 8 rows on (larger decode
+batches and prefill), oneDNN's linear (``mkldnn._linear_pointwise``, the op Inductor emits for CPU
+linears) is the fastest: 1.3x MKL's matrix-vector product at one row, 1.1-1.6x F.linear above. The
+transposed product must be copied back to row-major, and at prefill sizes that copy made it slower than
+F.linear (0.84x at 512 rows). Figures and the command that measures them: docs/cpu.md.
 
 GPUs keep ``F.linear`` (cuBLAS picks its own kernel per shape).
 """
@@ -42,8 +44,20 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     """
     if x.device.type != "cpu" or x.dim() != 2:
         return F.linear(x, w, bias)
-    if x.shape[0] == 1 and x.dtype == torch.float32:
+    m = x.shape[0]
+    if x.dtype == torch.float32 and not SMALL_BATCH[0] <= m < SMALL_BATCH[1]:
         return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
+    if m >= PREFILL_ROWS:
+        return F.linear(x, w, bias)
     out = torch.mm(w, x.t()).t().contiguous()
     return out if bias is None else out.add_(bias)
+
+
+#: fp32 row counts ``[lo, hi)`` that take ``(w @ x.T).T``; oneDNN's linear takes the rest. Below ``hi``
+#: the transposed product wins (2.2x F.linear at 2 rows, where oneDNN gives 1.7x); from ``hi`` rows on,
+#: oneDNN is as fast or faster, and from 64 rows (prefill) the transposed product's copy back to
+#: row-major makes it slower than F.linear (0.84x at 512 rows). Measured with bench/linear_cpu.py.
+SMALL_BATCH = (2, 8)
+#: Rows from which other dtypes take F.linear (the transposed product's copy costs more than it saves).
+PREFILL_ROWS = 64
 

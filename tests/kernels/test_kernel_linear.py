@@ -1,5 +1,6 @@
 """The CPU linear layer (:mod:`tandem.kernels.linear`): the BLAS call it picks per row count gives
-``F.linear``'s values, with and without a bias, for one row (oneDNN) and for several (``(w @ x.T).T``)."""
+``F.linear``'s values, with and without a bias, in each row range: one row and 8 or more in fp32
+(oneDNN), 2 to 7 (``(w @ x.T).T``), 64 or more in other dtypes (``F.linear``)."""
 from __future__ import annotations
 
 import pytest
@@ -11,7 +12,7 @@ from tandem.kernels.ops import select_ops
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
-@pytest.mark.parametrize("rows", [1, 2, 3, 17])
+@pytest.mark.parametrize("rows", [1, 2, 7, 8, 17, 64, 130])   # each BLAS call and its edges
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_matches_f_linear(dtype, tol, rows, bias):
     g = torch.Generator().manual_seed(rows)
