@@ -26,6 +26,7 @@ TANDEM_AUTOSCALER_INTERVAL_SECONDS, TANDEM_AUTOSCALER_WINDOW_SECONDS, TANDEM_AUT
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import os
 import random
@@ -155,13 +156,21 @@ async def _autoscaler_loop() -> None:
         kube, lease, events=reconciler().event, metrics=_metrics(),
         namespaces=[n for n in _env("TANDEM_NAMESPACES").split(",") if n],
         window_s=float(_env("TANDEM_AUTOSCALER_WINDOW_SECONDS", "30")), interval_s=interval)
-    while True:
-        t0 = time.monotonic()
-        try:
-            await asyncio.to_thread(auto.tick)
-        except Exception:  # noqa: BLE001 - nothing stops the loop
-            log.exception("autoscaler tick failed")
-        await asyncio.sleep(max(0.5, interval - (time.monotonic() - t0)))
+    # its own thread, not the loop's default executor: the reconcile pass shares that one, and a Lease
+    # attempt queued behind slow API calls there would let a standby miss its takeover (client-go runs
+    # leader election on its own goroutine for the same reason)
+    own = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="autoscaler")
+    loop = asyncio.get_running_loop()
+    try:
+        while True:
+            t0 = time.monotonic()
+            try:
+                await loop.run_in_executor(own, auto.tick)
+            except Exception:  # noqa: BLE001 - nothing stops the loop
+                log.exception("autoscaler tick failed")
+            await asyncio.sleep(max(0.5, interval - (time.monotonic() - t0)))
+    finally:
+        own.shutdown(wait=False)
 
 
 def _enqueue(body: Any) -> None:
