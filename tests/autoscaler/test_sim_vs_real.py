@@ -7,10 +7,12 @@ the fresh calibration, gives p90 TTFT and p90 TPOT within 30% of the measured on
 Capacity: the fleet's prefill worker is its bottleneck (decode batches), so capacity is one request per
 calibrated remote-prefill time of the trace's prompt length.
 
-Runs only with TANDEM_SIM_VS_REAL=1: it takes about 8 minutes (more than this issue's CI budget) and,
-on the shared 2-core VM where it was written, it failed by far more than 30% (bench/RESULTS.md has the
-figures: the other tenants' CPU load made the real TPOT 6-10x the calibrated step and the real TTFT
-fall as the load rose), so it is a measurement to run on a quiet machine, not a CI gate."""
+Runs only with TANDEM_SIM_VS_REAL=1: it takes about 5 minutes, over this issue's CI budget with the
+scenario tests, and it does not pass on 2 cores. The last run (bench/RESULTS.md) was within 30% at
+30% and 60% load. At 80% the real TPOT was 1.7x the simulated one: the prefill worker, busy 80% of the
+time, shares the two cores with the decode worker, and the simulator gives each pool its own hardware.
+Earlier runs that failed at every load had a cause in this test: every run sent the same prompt texts,
+so later runs hit the prefix cache."""
 import asyncio
 import json
 import os
@@ -28,7 +30,7 @@ from tandem.worker.bench.trace import generate, write_trace
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow,
               pytest.mark.skipif(os.environ.get("TANDEM_SIM_VS_REAL") != "1",
-                                 reason="an ~8 min measurement; set TANDEM_SIM_VS_REAL=1 (see the module docs)")]
+                                 reason="a ~5 min measurement; set TANDEM_SIM_VS_REAL=1 (see the module docs)")]
 PROMPT, OUTPUT = 128, 16
 LEVELS = (0.3, 0.6, 0.8)
 MIN_REQUESTS, MIN_SECONDS = 40, 60.0
@@ -46,12 +48,21 @@ def _url(fleet, role):
     return next(p.url for p in fleet.procs if p.role == role)
 
 
-def _serve(fleet, trace, out):
+def _serve(fleet, trace, out, seed):
+    # a seed of its own per run: with one seed every run sends the same prompt texts, and the second run
+    # found the first run's prompts in the prefix cache (80% of its TTFTs under one uncached prefill),
+    # which the simulator, fed no cache hits, cannot know
     cmd = [sys.executable, "-m", "tandem.worker.cli", "bench", "serve", "--base-url", fleet.endpoint + "/v1",
-           "--model", MODEL, "--endpoint", "completions", "--dataset", "trace", "--dataset-path", str(trace),
-           "--prefix-len", "0", "--output-dir", str(out), "--no-progress", "--no-plots", "--fail-on-error"]
+           "--seed", str(seed), "--model", MODEL, "--endpoint", "completions", "--dataset", "trace",
+           "--dataset-path", str(trace), "--prefix-len", "0", "--output-dir", str(out), "--no-progress", "--no-plots"]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONSAFEPATH": "1"})
     assert p.returncode == 0, p.stdout + p.stderr
+    # the one failure allowed: a stream whose every token was generated but decodes to no text (a random
+    # prompt, ignore_eos, and special tokens after the end of text), which the bench counts as no_tokens
+    # since it cannot time a first token; the load was applied all the same. Anything else fails here.
+    failed = [json.loads(x) for x in (out / "requests.jsonl").read_text().splitlines() if x.strip()]
+    failed = [r for r in failed if r.get("status") == "error"]
+    assert all(r["error_kind"] == "no_tokens" and r["completion_tokens"] == OUTPUT for r in failed), failed
     return json.loads((out / "summary.json").read_text())
 
 
@@ -78,7 +89,7 @@ def test_simulator_matches_a_real_fleet(fleet, tmp_path):
         params, records = generate("step", duration, rate, PROMPT, OUTPUT, to_rate=rate, seed=int(level * 10))
         trace = tmp_path / f"trace-{level}.jsonl"
         write_trace(trace, "step", params, records)
-        real = _serve(fleet, trace, tmp_path / f"run-{level}")
+        real = _serve(fleet, trace, tmp_path / f"run-{level}", seed=int(level * 10))
         sim_ttft, sim_tpot = _simulate(perf, records, duration)
         real_ttft, real_tpot = real["ttft_ms"]["p90"] / 1000, real["tpot_ms"]["p90"] / 1000
         rows.append({"load": level, "rate": round(rate, 3), "requests": len(records),
