@@ -27,6 +27,7 @@ that the story is decode's; prefill's own scaling is tested in tests/operator/te
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import json
 import os
 import re
@@ -218,7 +219,6 @@ class Load:
 
 
 def _event_time(e: dict) -> float:
-    import datetime as dt
     stamp = e.get("lastTimestamp") or e["metadata"]["creationTimestamp"]
     return dt.datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.timezone.utc).timestamp()
 
@@ -231,6 +231,7 @@ def pct(values: list[float], q: float) -> float:
 def test_kubectl_apply_to_answers_under_load_scaling_up_and_down_without_a_failed_request(cluster, operator,
                                                                                           tmp_path):
     c, fig, runs = cluster, {}, []
+    t_trickle, trickle = None, []     # set at step 7; the figures written on failure read them
     # 2. the operator is the chart's pod, run by the node agent under the chart's ServiceAccount
     op_pods = operator.pods()
     assert len(op_pods) == 1 and op_pods[0]["spec"]["serviceAccountName"] == RELEASE
@@ -436,7 +437,7 @@ def test_kubectl_apply_to_answers_under_load_scaling_up_and_down_without_a_faile
         # for the diagnosis of a failed run: pod readiness and the router's table over the whole run,
         # and each trickle stream (send and end, seconds from the trickle's start)
         fig["watch"] = {"readiness": watch.readiness, "router": watch.router}
-        if "t_trickle" in locals():
+        if t_trickle is not None:
             fig["watch"]["t_trickle"] = t_trickle
             fig["trickle_streams"] = sorted(
                 (round(r.send_unix - t_trickle, 1), round(r.send_unix - t_trickle + r.end_mono - r.send_mono, 1),

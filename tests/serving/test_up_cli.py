@@ -81,8 +81,8 @@ def test_workers_die_with_a_killed_tandem_up():
     assert len(kids) == 3
     # the fleet's config folder (each worker's --config lives in it): a killed `tandem up` cannot
     # remove it, so this test does
-    dirs = {Path(a).parent for k in kids for a in Path(f"/proc/{k}/cmdline").read_bytes().split(b"\0")
-            for a in [a.decode()] if a.endswith(".yaml") and "/tandem-" in a}
+    args = [a.decode() for k in kids for a in Path(f"/proc/{k}/cmdline").read_bytes().split(b"\0")]
+    dirs = {Path(a).parent for a in args if a.endswith(".yaml") and "/tandem-" in a}
     proc.kill()
     proc.wait(10)
     try:
