@@ -10,7 +10,7 @@
 # arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONSAFEPATH=1 TANDEM_E2E=1   # the repo's operator/ folder must not shadow the standard library's
+export PYTHONSAFEPATH=1   # the repo's operator/ folder must not shadow the standard library's
 bash scripts/cluster/build.sh        # cached after the first time (minutes on 2 cores)
 bash scripts/cluster/get_helm.sh >/dev/null
 exec .venv/bin/python -m pytest tests/e2e -s -ra "$@"

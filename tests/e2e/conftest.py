@@ -17,12 +17,11 @@ from operator_helpers import (ROOT, Operator, install_operator, real_worker_avai
 
 
 def pytest_collection_modifyitems(config, items):
-    """The story runs with TANDEM_E2E=1 (scripts/e2e.sh sets it). It is not a CI gate yet: it passed
-    in CI once and failed once (the drain back to min found 0 streams in flight; docs/e2e.md)."""
-    if os.environ.get("TANDEM_E2E") == "1":
+    """The story is part of the test command (about 5 minutes on 2 cores). ``TANDEM_E2E=0`` skips it
+    for a quicker local run; CI never sets it."""
+    if os.environ.get("TANDEM_E2E") != "0":
         return
-    skip = pytest.mark.skip(reason="the whole-story test runs with TANDEM_E2E=1 (scripts/e2e.sh); "
-                                   "not yet a CI gate (docs/e2e.md)")
+    skip = pytest.mark.skip(reason="TANDEM_E2E=0: the whole-story test is skipped on request")
     here = Path(__file__).parent
     for item in items:   # a conftest's hook sees the whole session's items: only this folder's
         if here in Path(str(item.fspath)).parents:
