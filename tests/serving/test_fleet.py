@@ -163,6 +163,28 @@ def test_client_disconnect_mid_stream_frees_blocks(fleet):
     assert "Paris" in chat(fleet.endpoint, QUESTION)[0]
 
 
+def test_router_counts_a_prefill_worker_only_until_the_first_token(fleet):
+    """The router's load table (its /health) counts a streamed request against its prefill worker until
+    the first token, and against its decode worker until the end: a prefill worker that served a long
+    answer's prompt is free while the answer streams (it counted until the stream's end before)."""
+    (prefill,), (decode,) = urls(fleet, "prefill"), urls(fleet, "decode")
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Write a long story about a cat."}],
+            "max_tokens": 300, "temperature": 0, "stream": True, "ignore_eos": True}
+
+    def table():
+        return {u: w["in_flight"] for u, w in requests.get(fleet.endpoint + "/health", timeout=5).json()["workers"].items()}
+    r = requests.post(fleet.endpoint + "/v1/chat/completions", json=body, stream=True, timeout=300)
+    try:
+        lines = (x for x in r.iter_lines() if x.startswith(b"data: "))
+        for _ in range(4):   # the role chunk, then tokens: prefill is over
+            next(lines)
+        assert metric(prefill, "tandem:kv_transfer_bytes_total", direction="sent") > 0
+        assert table() == {prefill: 0, decode: 1}
+    finally:
+        r.close()
+    assert wait_for(lambda: table() == {prefill: 0, decode: 0}, 30)
+
+
 def test_models_health_and_metrics_routes(fleet):
     models = requests.get(fleet.endpoint + "/v1/models", timeout=10).json()
     assert models["data"][0]["id"] == MODEL

@@ -284,7 +284,8 @@ class Router:
                         if d.prefill:
                             d.prefill.remember(hashes)
                     if req.stream and upstream.status == 200:
-                        return await self._relay_stream(request, upstream, t0, client_usage, place, load.release)
+                        return await self._relay_stream(request, upstream, t0, client_usage, place, load.release,
+                                                        load.release_prefill)
                     return await self._relay_full(upstream, t0, t_send, place)
         finally:
             self.in_flight -= 1
@@ -309,9 +310,11 @@ class Router:
             return resp
 
     async def _relay_stream(self, request, upstream: aiohttp.ClientResponse, t0: float,
-                            client_usage: bool, place: str, on_last=lambda: None) -> web.StreamResponse:
-        """Relay an SSE stream; ``on_last()`` runs when the ``[DONE]`` event arrives, before the client
-        gets it (the router's count of the worker's load drops there: see :class:`_Load`)."""
+                            client_usage: bool, place: str, on_last=lambda: None,
+                            on_first=lambda: None) -> web.StreamResponse:
+        """Relay an SSE stream; ``on_first()`` runs at the first token, ``on_last()`` when the ``[DONE]``
+        event arrives, both before the client gets them (the router's count of the workers' load drops
+        there: see :class:`_Load`)."""
         resp = web.StreamResponse(status=upstream.status, headers={
             k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS})
         await resp.prepare(request)
@@ -329,6 +332,8 @@ class Router:
                             if not client_usage:
                                 continue
                         if obj is not None and _has_token_text(obj):
+                            if timer.ttft is None:
+                                on_first()
                             timer.tick()
                         if ev.startswith(b"data: [DONE]"):
                             on_last()
@@ -360,8 +365,17 @@ class _Load:
 
     def __init__(self, d):
         self.workers = [w for w in (d.decode, d.prefill) if w is not None]
+        self.prefill = d.prefill
         for w in self.workers:
             w.in_flight += 1
+
+    def release_prefill(self) -> None:
+        """The prefill worker's part is over (the stream's first token: its KV is on the decode worker).
+        Counted until the stream's end, a prefill worker that served long answers looked busy to
+        :func:`pick_prefill` while it was idle."""
+        if self.prefill is not None and self.prefill in self.workers:
+            self.prefill.in_flight -= 1
+            self.workers.remove(self.prefill)
 
     def release(self) -> None:
         for w in self.workers:
