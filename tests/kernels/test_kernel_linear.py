@@ -1,6 +1,6 @@
 """The CPU linear layer (:mod:`tandem.kernels.linear`): the BLAS call it picks per row count gives
-``F.linear``'s values, with and without a bias, in each row range: one row and 8 or more in fp32
-(oneDNN), 2 to 7 (``(w @ x.T).T``), 64 or more in other dtypes (``F.linear``)."""
+``F.linear``'s values, with and without a bias, in each row range: one row and 6 or more in fp32
+(oneDNN), 2 to 5 (``(w @ x.T).T``, 3 rows padded to 4), 64 or more in other dtypes (``F.linear``)."""
 from __future__ import annotations
 
 import pytest
