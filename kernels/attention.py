@@ -92,7 +92,8 @@ def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     """
     bsz, hq, d = q.shape
     hk, bs = k_cache.shape[2], k_cache.shape[1]
-    max_len = int(seq_lens.max())
+    lens = seq_lens.tolist()
+    max_len = max(lens)
     nblocks = (max_len + bs - 1) // bs
     idx = block_tables[:, :nblocks].reshape(-1).long()
     shape = (bsz, nblocks * bs, hk, d)
@@ -100,9 +101,10 @@ def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     k = _dequant(k_cache.index_select(0, idx).view(shape)[:, :max_len].transpose(1, 2), q.dtype,
                  kv_scale)  # [B, Hk, L, D]
     v = _dequant(v_cache.index_select(0, idx).view(shape)[:, :max_len].transpose(1, 2), q.dtype, kv_scale)
-    mask = torch.arange(max_len, device=q.device)[None, :] < seq_lens.to(q.device)[:, None].long()
-    o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :],
-                                       scale=scale, enable_gqa=hq != hk)
+    mask = None
+    if min(lens) < max_len:   # equal lengths (always at batch 1) need no mask: ~6 fewer ops a layer
+        mask = (torch.arange(max_len, device=q.device)[None, :] < seq_lens.to(q.device)[:, None].long())[:, None, None, :]
+    o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=hq != hk)
     return o.squeeze(2)
 
 

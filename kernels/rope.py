@@ -55,10 +55,17 @@ def build_cos_sin_cache(head_dim: int, max_position: int, base: float,
 
 def apply_rope_ref(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
     """Rotate ``x [T, H, D]`` by the angles of ``positions [T]``; returns a new tensor of x's dtype."""
-    cos, sin = cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)  # [T, D/2] each
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return _rotate(x, *_angles(positions, cos_sin_cache))
+
+
+def _angles(positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)``, each ``[T, 1, D/2]`` float32, for ``positions [T]``."""
+    cos, sin = cos_sin_cache.index_select(0, positions).float().unsqueeze(1).chunk(2, dim=-1)
+    return cos, sin
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.float().chunk(2, dim=-1)
-    cos, sin = cos.float(), sin.float()
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
@@ -116,8 +123,8 @@ def rope_and_cache_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positi
     Returns:
         ``(q_rot [T, Hq, D], k_rot [T, Hk, D])`` in the input dtype.
     """
-    q = apply_rope_ref(q, positions, cos_sin_cache)
-    k = apply_rope_ref(k, positions, cos_sin_cache)
+    angles = _angles(positions, cos_sin_cache)   # once for q and k (a decode step runs ~1,000 small ops)
+    q, k = _rotate(q, *angles), _rotate(k, *angles)
     write_kv_cache_ref(k, v, k_cache, v_cache, slot_mapping, kv_scale)
     return q, k
 
