@@ -132,8 +132,9 @@ def test_int8_logits_within_5e2_of_fp32_and_paris(fp32_engine):
 
 def test_the_cpu_linear_path_gives_the_eager_greedy_tokens(fp32_engine):
     """``ops.linear`` (oneDNN for one row and 6 or more, ``(w @ x.T).T`` for 2 to 5, 3 rows padded to
-    4: kernels/linear.py) against plain ``F.linear`` through the whole engine: the same greedy tokens for a batch of three prompts (the
-    decode steps run 3 rows, then fewer as prompts finish) and for one prompt alone (1 row)."""
+    4: kernels/linear.py) against plain ``F.linear`` through the whole engine: the same greedy tokens
+    for a batch of three prompts (the decode steps run 3 rows, then fewer as prompts finish) and for
+    one prompt alone (1 row)."""
     import dataclasses
 
     import torch.nn.functional as F
