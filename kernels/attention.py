@@ -103,7 +103,8 @@ def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     v = _dequant(v_cache.index_select(0, idx).view(shape)[:, :max_len].transpose(1, 2), q.dtype, kv_scale)
     mask = None
     if min(lens) < max_len:   # equal lengths (always at batch 1) need no mask: ~6 fewer ops a layer
-        mask = (torch.arange(max_len, device=q.device)[None, :] < seq_lens.to(q.device)[:, None].long())[:, None, None, :]
+        lens_t = seq_lens.to(q.device)[:, None].long()
+        mask = (torch.arange(max_len, device=q.device)[None, :] < lens_t)[:, None, None, :]
     o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=hq != hk)
     return o.squeeze(2)
 

@@ -59,8 +59,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
 
 #: fp32 row counts ``[lo, hi)`` that take ``(w @ x.T).T``; oneDNN's linear takes the rest. Below ``hi``
 #: the transposed product wins (2.2x F.linear at 2 rows, where oneDNN gives 1.7x); from ``hi`` rows on,
-#: oneDNN is as fast or faster (6 and 7 rows: 67 and 72 ms against 78 and 91 ms a pass over the weights), and from 64 rows (prefill) the transposed product's copy back to
-#: row-major makes it slower than F.linear (0.84x at 512 rows). Measured with bench/linear_cpu.py.
+#: oneDNN is as fast or faster (6 and 7 rows: 67 and 72 ms against 78 and 91 ms a pass over the
+#: weights), and from 64 rows (prefill) the transposed product's copy back to row-major makes it slower
+#: than F.linear (0.84x at 512 rows). Measured with bench/linear_cpu.py.
 SMALL_BATCH = (2, 6)
 #: Row counts run as more rows (zeros, sliced off): MKL's GEMM with 3 columns took 1.4x its time with
 #: 4 on one thread (97 against 69 ms a pass over the weights) and 1.1x on two; 5 and 7 do not gain.

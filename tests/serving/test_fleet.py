@@ -172,7 +172,8 @@ def test_router_counts_a_prefill_worker_only_until_the_first_token(fleet):
             "max_tokens": 300, "temperature": 0, "stream": True, "ignore_eos": True}
 
     def table():
-        return {u: w["in_flight"] for u, w in requests.get(fleet.endpoint + "/health", timeout=5).json()["workers"].items()}
+        workers = requests.get(fleet.endpoint + "/health", timeout=5).json()["workers"]
+        return {u: w["in_flight"] for u, w in workers.items()}
     r = requests.post(fleet.endpoint + "/v1/chat/completions", json=body, stream=True, timeout=300)
     try:
         lines = (x for x in r.iter_lines() if x.startswith(b"data: "))
