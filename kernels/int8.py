@@ -88,7 +88,8 @@ def native():
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", "") or e
         log.warning("int8: the C kernel could not be built or loaded (%s); using torch's "
-                    "_weight_int8pack_mm (9-34x slower than fp32 on an AVX2 CPU, docs/cpu.md)", str(detail).strip()[:300])
+                    "_weight_int8pack_mm (9-34x slower than fp32 on an AVX2 CPU, docs/cpu.md)",
+                    str(detail).strip()[:300])
         return None
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int]
