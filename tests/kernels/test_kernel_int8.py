@@ -68,9 +68,11 @@ def test_without_a_compiler_torch_kernel_takes_over(monkeypatch, tmp_path, caplo
 
 
 def test_a_broken_build_is_not_cached(monkeypatch, tmp_path):
-    """A compiler that fails leaves no half-written library for the next process to load."""
+    """A compiler that fails after writing part of its output leaves no library for the next process
+    to load (stand-in: a script that writes to its ``-o`` file, then fails)."""
     cc = tmp_path / "cc"
-    cc.write_text("#!/bin/sh\nfor a; do out=$a; done\necho 'cc: error: no' >&2\nexit 1\n")
+    cc.write_text('#!/bin/sh\nwhile [ $# -gt 0 ]; do [ "$1" = -o ] && printf half > "$2"; shift; done\n'
+                  "echo 'cc: error: no' >&2\nexit 1\n")
     cc.chmod(0o755)
     monkeypatch.setenv("CC", str(cc))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))

@@ -355,7 +355,8 @@ class Router:
 
 class _Load:
     """Count a request against the workers a decision names while it is in flight: from the decision
-    until the stream's last event (:meth:`release`, once) or the handler's end, whichever comes first.
+    until the stream's last event (:meth:`release`, once) or the handler's end, whichever comes first;
+    a streamed request's prefill worker only until its first token (:meth:`release_prefill`).
 
     At the last event, not at the handler's end: a client that counts a stream done at ``[DONE]`` sends
     its next request while the router still waits for the worker to close the stream, and that request
@@ -364,23 +365,24 @@ class _Load:
     change that, docs/e2e.md)."""
 
     def __init__(self, d):
-        self.workers = [w for w in (d.decode, d.prefill) if w is not None]
-        self.prefill = d.prefill
-        for w in self.workers:
-            w.in_flight += 1
+        self.decode, self.prefill = d.decode, d.prefill
+        for w in (self.decode, self.prefill):
+            if w is not None:
+                w.in_flight += 1
 
     def release_prefill(self) -> None:
         """The prefill worker's part is over (the stream's first token: its KV is on the decode worker).
         Counted until the stream's end, a prefill worker that served long answers looked busy to
         :func:`pick_prefill` while it was idle."""
-        if self.prefill is not None and self.prefill in self.workers:
+        if self.prefill is not None:
             self.prefill.in_flight -= 1
-            self.workers.remove(self.prefill)
+            self.prefill = None
 
     def release(self) -> None:
-        for w in self.workers:
-            w.in_flight -= 1
-        self.workers = []
+        self.release_prefill()
+        if self.decode is not None:
+            self.decode.in_flight -= 1
+            self.decode = None
 
     def __enter__(self) -> "_Load":
         return self
