@@ -314,11 +314,20 @@ class Router:
                             on_first=lambda: None) -> web.StreamResponse:
         """Relay an SSE stream; ``on_first()`` runs at the first token, ``on_last()`` when the ``[DONE]``
         event arrives, both before the client gets them (the router's count of the workers' load drops
-        there: see :class:`_Load`)."""
+        there: see :class:`_Load`). The request's latencies are observed at ``[DONE]`` too, before the
+        client gets it, so a client that reads the metrics after its stream finds its request counted."""
         resp = web.StreamResponse(status=upstream.status, headers={
             k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS})
         await resp.prepare(request)
         timer, buf, num_tokens = TokenTimer(t0), b"", 0
+        observed = False
+
+        def observe():
+            nonlocal observed
+            if not observed:
+                observed = True
+                self.metrics.observe_request(timer.ttft, time.monotonic() - t0, num_tokens, timer.itls,
+                                             prefill=place)
         async with upstream:
             try:
                 async for chunk in upstream.content.iter_any():
@@ -337,6 +346,7 @@ class Router:
                             timer.tick()
                         if ev.startswith(b"data: [DONE]"):
                             on_last()
+                            observe()
                         out.append(ev + b"\n\n")
                     if out:
                         await resp.write(b"".join(out))
@@ -348,7 +358,7 @@ class Router:
                 return resp
         if buf:
             await resp.write(buf)
-        self.metrics.observe_request(timer.ttft, time.monotonic() - t0, num_tokens, timer.itls, prefill=place)
+        observe()   # a stream without [DONE]
         await resp.write_eof()
         return resp
 

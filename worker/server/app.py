@@ -176,23 +176,23 @@ class WorkerServer:
                         return json_error(str(e), 500)
                     builder = ResponseBuilder(chat, self.model_name, self.engine.tokenizer, len(ids))
                     timer = TokenTimer(t0)
-                    if req.stream:
-                        resp, last = await self._stream(request, req, builder, first, gen, timer)
-                    else:
-                        resp, last = await self._collect(builder, first, gen, timer)
-                    if last is not None:
+
+                    def finish(last):
+                        nonlocal ended
                         ended = True
                         self._finished(last, t0, timer, first)
-                    return resp
+                    if req.stream:
+                        return await self._stream(request, req, builder, first, gen, timer, finish)
+                    return await self._collect(builder, first, gen, timer, finish)
             finally:
                 if not ended:
                     self._count("abort")
         finally:
             self.in_flight -= 1
 
-    async def _collect(self, builder, first, gen, timer):
-        """The whole answer as one JSON body; returns ``(response, last output)``, or ``(500, None)``
-        when the engine died on the way."""
+    async def _collect(self, builder, first, gen, timer, finish):
+        """The whole answer as one JSON body, or a 500 when the engine died on the way; ``finish(last
+        output)`` runs once the answer is whole, before the client gets it."""
         samples, out = [], first
         try:
             async with contextlib.aclosing(_chain(first, gen)) as outs:
@@ -201,15 +201,17 @@ class WorkerServer:
                         timer.tick()
                     samples += out.logprobs
         except EngineDead as e:
-            return json_error(str(e), 500), None
+            return json_error(str(e), 500)
+        finish(out)
         resp = web.json_response(builder.full(out.text, out.finish_reason, out.num_output_tokens, samples))
         if timer.ttft is not None:
             resp.headers[TTFT_HEADER] = f"{timer.ttft:.6f}"
-        return resp, out
+        return resp
 
-    async def _stream(self, request, req, builder, first, gen, timer):
-        """The answer as server-sent events; returns ``(response, last output)``, or ``(response, None)``
-        when the client left or the engine died mid-stream."""
+    async def _stream(self, request, req, builder, first, gen, timer, finish):
+        """The answer as server-sent events; ``finish(last output)`` runs before ``[DONE]`` is sent (so a
+        client that reads the metrics after its stream finds its request counted), and not at all when
+        the client left or the engine died mid-stream."""
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
         out = first
@@ -224,17 +226,17 @@ class WorkerServer:
                         await resp.write(builder.delta_chunk(out.new_text, out.finish_reason, out.logprobs))
             if req.include_usage:
                 await resp.write(builder.usage_chunk(out.num_output_tokens))
+            finish(out)
             await resp.write(builder.DONE)
             await resp.write_eof()
         except (ConnectionResetError, aiohttp.ClientConnectionResetError):
-            log.info("client went away mid-stream; request aborted")
-            return resp, None
+            log.info("client went away mid-stream")
+            return resp
         except EngineDead as e:
             with contextlib.suppress(ConnectionResetError, aiohttp.ClientConnectionResetError):
                 await resp.write(b"data: " + json.dumps(error_body(str(e), 500, None, "server_error")).encode()
                                  + b"\n\n")
-            return resp, None
-        return resp, out
+        return resp
 
     def _count(self, reason: str) -> None:
         self.metrics.requests.labels(**self.metrics.labels, finished_reason=reason).inc()
