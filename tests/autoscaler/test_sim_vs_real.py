@@ -66,6 +66,33 @@ def _serve(fleet, trace, out, seed):
     return json.loads((out / "summary.json").read_text())
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of one process (/proc/PID/stat), 0 when it is gone."""
+    try:
+        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _machine_busy() -> tuple[float, float]:
+    """(busy, total) CPU seconds of the whole machine since boot (/proc/stat's first line)."""
+    v = [int(x) for x in open("/proc/stat").readline().split()[1:]]
+    idle = v[3] + v[4]
+    return (sum(v) - idle) / os.sysconf("SC_CLK_TCK"), sum(v) / os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_use(fleet, before=None) -> dict:
+    """CPU seconds per role of the fleet's processes and of the machine; with ``before``, the cores each
+    used on average since then (the diagnosis of a miss: the simulator gives each role its own hardware)."""
+    now = {p.role: _cpu_seconds(p.popen.pid) for p in fleet.procs}
+    now["machine"], now["wall"] = _machine_busy()
+    if before is None:
+        return now
+    wall = (now["wall"] - before["wall"]) / os.cpu_count()
+    return {k: round((now[k] - before[k]) / wall, 2) for k in now if k != "wall"}
+
+
 def _simulate(perf, records, duration):
     import numpy as np
     fleet = Fleet(perf, Static(1, 1), records, {"prefill": 1, "decode": 1}, duration=duration).run()
@@ -89,14 +116,16 @@ def test_simulator_matches_a_real_fleet(fleet, tmp_path):
         params, records = generate("step", duration, rate, PROMPT, OUTPUT, to_rate=rate, seed=int(level * 10))
         trace = tmp_path / f"trace-{level}.jsonl"
         write_trace(trace, "step", params, records)
+        cpu0 = _cpu_use(fleet)
         real = _serve(fleet, trace, tmp_path / f"run-{level}", seed=int(level * 10))
+        cores = _cpu_use(fleet, cpu0)
         sim_ttft, sim_tpot = _simulate(perf, records, duration)
         real_ttft, real_tpot = real["ttft_ms"]["p90"] / 1000, real["tpot_ms"]["p90"] / 1000
         rows.append({"load": level, "rate": round(rate, 3), "requests": len(records),
                      "real_ttft_p90": round(real_ttft, 3), "sim_ttft_p90": round(sim_ttft, 3),
                      "ttft_err": round(sim_ttft / real_ttft - 1, 3),
                      "real_tpot_p90": round(real_tpot, 4), "sim_tpot_p90": round(sim_tpot, 4),
-                     "tpot_err": round(sim_tpot / real_tpot - 1, 3)})
+                     "tpot_err": round(sim_tpot / real_tpot - 1, 3), "cores_used": cores})
     print("\ncalibration:", {k: f.quality() for k, f in cal.fits.items()}, "service", round(service, 3))
     for r in rows:
         print(r)
