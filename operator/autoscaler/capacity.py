@@ -8,7 +8,10 @@ Units: seconds, tokens, bytes. Two roles, two models:
   since on the measured CPU fleet the push is the longer part and both run on the worker's cores).
   With Poisson arrivals at utilization rho the wait is M/G/1's: P(W > t) ~= rho exp(-t / w), with
   w = s (1 + cv^2) / (2 (1 - rho)) the mean wait of a request that does wait (Kingman's heavy-traffic
-  approximation, exponential tail). p90 TTFT = s + that tail's 90th percentile.
+  approximation, exponential tail). p90 TTFT = s + that tail's 90th percentile. The engine in fact
+  prefills the prompts waiting at a step together (:meth:`PerfModel.remote_prefill_batch_seconds`,
+  which the simulator uses), so under a queue a replica serves more than this model says: the
+  policy's prefill sizing errs on the side of more replicas.
 - decode: continuous batching; every running sequence advances one token per step, and a step of
   ``b`` sequences costs ``decode_step_seconds(b, context)``. A sequence's TPOT is the mean step over
   its life, so the p90 TPOT at ``m`` mean running sequences per replica is taken at an effective batch
@@ -106,6 +109,24 @@ class PerfModel:
                 p = max(p, self._kv[0] + self._kv[1] * prompt_tokens * self.kv_bytes_per_token)
             got = self._remote[prompt_tokens] = p
         return got
+
+    def remote_prefill_batch_seconds(self, prompts: list) -> float:
+        """Time (s) a prefill replica takes over one engine step that prefills ``prompts`` (token counts)
+        together and pushes their KV: the batch's compute (the fit's fixed cost once, its linear term on
+        the sum of tokens, its quadratic attention term per prompt), then the longest of the prompts'
+        transfer tails (what one prompt's remote prefill takes past its compute). The KV streams out
+        while the step computes, so a batch's pushes end one tail after its compute, not one push per
+        prompt later (the back-to-back steps of a real CPU fleet at 80% load took 1.05 s for two
+        128-token prompts and 1.53 s for three, against 1.08 s and 1.52 s by this model; bench/RESULTS.md).
+        One prompt gives :meth:`remote_prefill_seconds`. The engine batches the prompts waiting at a
+        step up to its token budget (chunked prefill, as vLLM's scheduler does), which is where a queue
+        drains faster than one prompt at a time."""
+        if len(prompts) == 1:
+            return self.remote_prefill_seconds(prompts[0])
+        a, b, c, _ = self._pf
+        compute = max(1e-4, a + b * float(sum(prompts)) + c * sum(float(n) * n for n in prompts))
+        tail = max(self.remote_prefill_seconds(n) - self.local_prefill_seconds(n) for n in prompts)
+        return compute + tail
 
     def prefill_p90(self, rho: float, service_s: float) -> float:
         """p90 TTFT (s) of a prefill replica at utilization ``rho`` with mean service ``service_s``."""

@@ -8,9 +8,11 @@ The model (seconds, tokens; costs from the calibration through :class:`~tandem.o
   (``router_queued``, the scale-from-zero signal). When the last decision set ``absorb_bursts`` and the
   chosen prefill replica would finish later than the TTFT target, it prefills on a decode replica that
   runs nothing instead (the local-prefill path; a busy one would stall its batch).
-- prefill replica: first come, first served, one prompt at a time; a request holds it for the
-  calibrated remote-prefill time (the prefill compute or the KV push, whichever is longer) and its first
-  token comes at the end of it.
+- prefill replica: engine steps, first come, first served. A step takes every prompt waiting when it
+  starts, up to the token budget (``max_batched_tokens``; at least one prompt), holds the replica for
+  :meth:`~tandem.operator.autoscaler.capacity.PerfModel.remote_prefill_batch_seconds` (the batch's
+  prefill compute or its KV push, whichever is longer), and every first token of the batch comes at
+  its end. One prompt alone takes the calibrated remote-prefill time.
 - decode replica: continuous batching; between two events the batch is fixed, so every running sequence
   advances at one token per ``decode_step_seconds(batch, mean context)``. A local prefill stalls the
   batch for its calibrated prefill time (no chunked prefill).
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -67,8 +70,10 @@ class Replica:
     draining: bool = False
     cancelled: bool = False
     # prefill
-    busy_until: float = 0.0
-    queue: list = field(default_factory=list)      # start times of queued prompts (for the waiting count)
+    waiting: deque = field(default_factory=deque)  # request ids for the next engine steps
+    queued_s: float = 0.0                          # their remote-prefill seconds one at a time (routing)
+    batch: list = field(default_factory=list)      # request ids in the step now running
+    step_end: float = 0.0                          # when that step ends
     # decode
     running: dict = field(default_factory=dict)    # request id -> [remaining tokens, context tokens]
     last: float = 0.0
@@ -96,16 +101,18 @@ class Fleet:
         targets: the SLO per role (seconds), for the absorption rule.
         gpus: GPUs per replica of each role.
         duration: the run's length (seconds); requests still running at the end are finished off.
+        max_batched_tokens: a prefill step's token budget (the engine's ``max_num_batched_tokens``).
     """
 
     def __init__(self, perf: PerfModel, policy, records: list[dict], initial: dict, startup_s: float = 120.0,
                  tick_s: float = 15.0, window_s: float = 30.0, targets: Optional[dict] = None,
-                 gpus: Optional[dict] = None, duration: Optional[float] = None):
+                 gpus: Optional[dict] = None, duration: Optional[float] = None, max_batched_tokens: int = 2048):
         self.perf, self.policy = perf, policy
         self.startup_s = 0.0 if getattr(policy, "ignores_startup", False) else float(startup_s)
         self.tick_s, self.window_s = float(tick_s), float(window_s)
         self.targets = targets or {"prefill": math.inf, "decode": math.inf}
         self.gpus = gpus or {"prefill": 1, "decode": 1}
+        self.max_batched_tokens = int(max_batched_tokens)
         self.requests = [Request(i, float(r["timestamp"]), int(r["prompt_tokens"]), int(r["output_tokens"]))
                          for i, r in enumerate(records)]
         self.duration = float(duration if duration is not None else
@@ -178,8 +185,8 @@ class Fleet:
             self.router_queue.append(i)
             return False
         s = self.perf.remote_prefill_seconds(req.prompt)
-        p = min(pre, key=lambda r: (r.busy_until, r.rid)) if pre else None
-        done = (max(now, p.busy_until) + s) if p is not None else math.inf
+        p = min(pre, key=lambda r: (self._free_at(now, r), r.rid)) if pre else None
+        done = (self._free_at(now, p) + s) if p is not None else math.inf
         if self.absorb and done - now > self.targets["prefill"]:
             # only a decode replica with nothing running has headroom here: a local prefill stalls the
             # whole batch (no chunked prefill), which would break the TPOT of every running sequence
@@ -190,29 +197,49 @@ class Fleet:
         if p is None:   # no prefill replica and no idle decode one: wait at the router
             self.router_queue.append(i)
             return False
-        start = max(now, p.busy_until)
-        p.busy_until = start + s
-        p.queue.append(start)
-        self._push(start + s, "prefilled", i, p.rid)
+        p.waiting.append(i)
+        p.queued_s += s
+        if not p.batch and p.ready_at <= now:
+            self._start_step(now, p)
         return True
 
-    def _on_prefilled(self, now: float, i: int, prid: int) -> None:
-        req = self.requests[i]
-        req.first_token = now
-        self.ft_t.append(now)
-        self.ft_ttft.append(req.ttft)
+    def _free_at(self, now: float, p: Replica) -> float:
+        """When prefill replica ``p`` would be free for one more prompt, serving its queue one prompt at a
+        time (the router's estimate: batching only makes it sooner)."""
+        return max(now, p.step_end) + p.queued_s
+
+    def _start_step(self, now: float, p: Replica) -> None:
+        batch, tokens = [], 0
+        while p.waiting and (not batch or tokens + self.requests[p.waiting[0]].prompt <= self.max_batched_tokens):
+            i = p.waiting.popleft()
+            batch.append(i)
+            tokens += self.requests[i].prompt
+            p.queued_s -= self.perf.remote_prefill_seconds(self.requests[i].prompt)
+        if not p.waiting:
+            p.queued_s = 0.0   # no drift from the float sums
+        p.batch = batch
+        p.step_end = now + self.perf.remote_prefill_batch_seconds([self.requests[i].prompt for i in batch])
+        self._push(p.step_end, "prefilled", p.rid)
+
+    def _on_prefilled(self, now: float, prid: int) -> None:
         p = self.replicas[prid]
-        if p.queue:
-            p.queue.pop(0)
+        batch, p.batch = p.batch, []
+        for i in batch:
+            req = self.requests[i]
+            req.first_token = now
+            self.ft_t.append(now)
+            self.ft_ttft.append(req.ttft)
+            dec = [r for r in self.live["decode"] if r.ready(now)]
+            if not dec:   # the decode replica it was meant for went away: any alive one takes it
+                dec = [r for r in self.live["decode"] if r.alive(now) and r.ready_at <= now]
+            if not dec:
+                self.router_queue.append(i)   # re-admitted when a decode replica is ready
+                continue
+            d = min(dec, key=lambda r: (len(r.running) + r.pending_local, r.rid))
+            self._join(now, d, req)
+        if p.waiting:
+            self._start_step(now, p)
         self._maybe_gone(now, p)
-        dec = [r for r in self.live["decode"] if r.ready(now)]
-        if not dec:   # the decode replica it was meant for went away: any alive one takes it
-            dec = [r for r in self.live["decode"] if r.alive(now) and r.ready_at <= now]
-        if not dec:
-            self.router_queue.append(i)   # re-admitted when a decode replica is ready
-            return
-        d = min(dec, key=lambda r: (len(r.running) + r.pending_local, r.rid))
-        self._join(now, d, req)
 
     # ---- decode ------------------------------------------------------------------------------
     def _step(self, d: Replica) -> float:
@@ -292,7 +319,7 @@ class Fleet:
         r = self.replicas[rid]
         if r.cancelled:
             return
-        r.busy_until = max(r.busy_until, now)
+        r.step_end = max(r.step_end, now)
         r.last = now
         self._drain_router(now)
 
@@ -312,7 +339,7 @@ class Fleet:
     def _maybe_gone(self, now: float, r: Replica) -> None:
         if not r.draining or r.gone_at != math.inf:
             return
-        if (r.role == "prefill" and r.busy_until <= now + 1e-9) or \
+        if (r.role == "prefill" and not r.batch and not r.waiting) or \
                 (r.role == "decode" and not r.running and r.pending_local == 0):
             r.gone_at = now
             self.live[r.role].remove(r)
@@ -338,7 +365,7 @@ class Fleet:
             self._drain_router(now)
 
     def _load(self, now: float, r: Replica) -> float:
-        return max(0.0, r.busy_until - now) if r.role == "prefill" else len(r.running) + r.pending_local
+        return self._free_at(now, r) - now if r.role == "prefill" else len(r.running) + r.pending_local
 
     # ---- metrics and the policy --------------------------------------------------------------
     def snapshot(self, now: float) -> PoolSnapshot:
@@ -366,8 +393,8 @@ class Fleet:
             starting = [r for r in mine if r.ready_at > now and not r.draining]
             draining = [r for r in mine if r.draining]
             if role == "prefill":
-                waiting = sum(sum(1 for s in r.queue if s > now) for r in mine)
-                running = sum(1 for r in mine if r.busy_until > now)
+                waiting = sum(len(r.waiting) for r in mine)
+                running = sum(len(r.batch) for r in mine)
                 lat = float(np.percentile(ttfts, 90)) if ttfts.size else None
                 arr = arrivals
             else:

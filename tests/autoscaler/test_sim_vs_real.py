@@ -104,9 +104,10 @@ def _simulate(perf, records, duration):
 def test_simulator_matches_a_real_fleet(fleet, tmp_path):
     decode = _url(fleet, "decode")
     cal = asyncio.run(calibrate(decode, MODEL, prefill_sizes=(32, 128, 256), cached=(128,), cached_sizes=(32,),
-                                batches=(1, 2, 4), contexts=(64, 192), decode_tokens=12, repeats=2,
+                                batches=(1, 2, 4, 8), contexts=(64, 192), decode_tokens=24, repeats=2,
                                 pd_url=fleet.endpoint, pd_decode_url=decode))
     assert "kv_transfer" in cal.fits
+    cal.save(tmp_path / "calibration.yaml")   # beside the runs, for a look afterwards
     perf = PerfModel.of(cal)
     service = perf.remote_prefill_seconds(PROMPT)
     rows = []
