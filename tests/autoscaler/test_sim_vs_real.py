@@ -7,12 +7,14 @@ the fresh calibration, gives p90 TTFT and p90 TPOT within 30% of the measured on
 Capacity: the fleet's prefill worker is its bottleneck (decode batches), so capacity is one request per
 calibrated remote-prefill time of the trace's prompt length.
 
-Runs only with TANDEM_SIM_VS_REAL=1: it takes about 5 minutes, over this issue's CI budget with the
-scenario tests, and it does not pass on 2 cores. The last run (bench/RESULTS.md) was within 30% at
-30% and 60% load. At 80% the real TPOT was 1.7x the simulated one: the prefill worker, busy 80% of the
-time, shares the two cores with the decode worker, and the simulator gives each pool its own hardware.
-Earlier runs that failed at every load had a cause in this test: every run sent the same prompt texts,
-so later runs hit the prefix cache."""
+Runs only with TANDEM_SIM_VS_REAL=1. It takes about 5.5 minutes, and on this shared 2-core VM it
+passed in the one quiet run since the simulator's prefill steps batch (bench/RESULTS.md, sixth
+session). The margin there was 3 points at the worst load, and a run with other work on the machine
+missed. Before that change the real TPOT at 80% load was twice the simulated one. The cause was not
+the cores the workers share. The engine prefills the waiting prompts in one step, so decode takes
+them in groups and runs much larger batches than a one-prompt-a-step model predicts. Earlier runs
+that failed at every load had a cause in this test: every run sent the same prompt texts, so later
+runs hit the prefix cache."""
 import asyncio
 import json
 import os
