@@ -117,7 +117,7 @@ class PerfModel:
         transfer tails (what one prompt's remote prefill takes past its compute). The KV streams out
         while the step computes, so a batch's pushes end one tail after its compute, not one push per
         prompt later (the back-to-back steps of a real CPU fleet at 80% load took 1.05 s for two
-        128-token prompts and 1.53 s for three, against 1.08 s and 1.52 s by this model; bench/RESULTS.md).
+        128-token prompts and 1.53 s for three, against 1.06 s and 1.48 s by this model; bench/RESULTS.md).
         One prompt gives :meth:`remote_prefill_seconds`. The engine batches the prompts waiting at a
         step up to its token budget (chunked prefill, as vLLM's scheduler does), which is where a queue
         drains faster than one prompt at a time."""

@@ -11,8 +11,8 @@ The model (seconds, tokens; costs from the calibration through :class:`~tandem.o
 - prefill replica: engine steps, first come, first served. A step takes every prompt waiting when it
   starts, up to the token budget (``max_batched_tokens``; at least one prompt), holds the replica for
   :meth:`~tandem.operator.autoscaler.capacity.PerfModel.remote_prefill_batch_seconds` (the batch's
-  prefill compute or its KV push, whichever is longer), and every first token of the batch comes at
-  its end. One prompt alone takes the calibrated remote-prefill time.
+  prefill compute, then the longest of its prompts' KV transfer tails), and every first token of the
+  batch comes at its end. One prompt alone takes the calibrated remote-prefill time.
 - decode replica: continuous batching; between two events the batch is fixed, so every running sequence
   advances at one token per ``decode_step_seconds(batch, mean context)``. A local prefill stalls the
   batch for its calibrated prefill time (no chunked prefill).
