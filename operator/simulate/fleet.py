@@ -224,14 +224,15 @@ class Fleet:
     def _on_prefilled(self, now: float, prid: int) -> None:
         p = self.replicas[prid]
         batch, p.batch = p.batch, []
+        # a join changes no replica's readiness, so the candidates are the same for every request
+        dec = [r for r in self.live["decode"] if r.ready(now)]
+        if not dec:   # the decode replica it was meant for went away: any alive one takes it
+            dec = [r for r in self.live["decode"] if r.alive(now) and r.ready_at <= now]
         for i in batch:
             req = self.requests[i]
             req.first_token = now
             self.ft_t.append(now)
             self.ft_ttft.append(req.ttft)
-            dec = [r for r in self.live["decode"] if r.ready(now)]
-            if not dec:   # the decode replica it was meant for went away: any alive one takes it
-                dec = [r for r in self.live["decode"] if r.alive(now) and r.ready_at <= now]
             if not dec:
                 self.router_queue.append(i)   # re-admitted when a decode replica is ready
                 continue
