@@ -73,12 +73,13 @@ def test_calibrate_cli_writes_the_file_and_configmap_form_loads(worker, tmp_path
     p = subprocess.run([sys.executable, "-m", "tandem.worker.cli", "bench", "calibrate", "--base-url", worker,
                         "--model", MODEL, "-o", str(out), "--prefill-sizes", "16,48,96,160", "--cached", "64",
                         "--cached-prompt-sizes", "16", "--decode-batches", "1,2,4", "--decode-contexts", "32,64",
-                        "--decode-tokens", "8", "--repeats", "1"],
+                        "--decode-tokens", "8", "--repeats", "1", "--statistic", "median"],
                        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONSAFEPATH": "1"})
     assert p.returncode == 0, p.stdout + p.stderr
     assert "R^2" in p.stdout
     cal = Calibration.load(out)
     assert cal.fits["prefill"].quality()["points"] == 5 and cal.engine["block_size"] == 16
+    assert cal.measured["statistic"] == "median"
     # the Kubernetes form: a ConfigMap with the file under the key calibration.yaml
     import yaml
     cm = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "smollm2-calibration"},

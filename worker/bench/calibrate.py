@@ -10,8 +10,12 @@
   ``tandem:kv_transfer_seconds`` and ``tandem:kv_transfer_bytes_total`` per request. The KV streams
   while the prefill worker computes, so this is the decode worker's whole wait for a remote prefill.
 Each point is the fastest of ``repeats`` measurements (as ``timeit`` reports): on a shared machine other
-work only ever adds time, so the minimum is the stable estimate of what the worker itself costs. Point it at a ``both`` worker (or a decode
-worker, which prefills locally when no prefill peer is named), not at a router.
+work only ever adds time, so the minimum is the stable estimate of what the worker itself costs. With
+``statistic="median"`` (``--statistic median``) it is their median instead: the typical cost of a
+minute on that machine, which is what a simulation of a fleet running there should be fed (the
+minimum ran 15-30% below the replays on this project's shared VM; docs/autoscaler.md). Point it at a
+``both`` worker (or a decode worker, which prefills locally when no prefill peer is named), not at a
+router.
 """
 from __future__ import annotations
 
@@ -69,26 +73,33 @@ class Probe:
         return min(runs)
 
 
-async def measure_prefill(probe: Probe, sizes, cached, repeats) -> list[list[float]]:
-    """[n, k, seconds] per point. The repeats are rounds over all points, so a burst of other work on
-    the machine hits one round of a point, not all of its repeats."""
+STATISTICS = {"fastest": min, "median": statistics.median}
+
+
+async def in_rounds(points, repeats: int, measure, statistic: str = "fastest") -> dict:
+    """{point: the ``statistic`` (a key of :data:`STATISTICS`) of its ``repeats`` measurements (seconds,
+    ``await measure(point)``)}. The repeats are rounds over all points, so a burst of other work on the
+    machine hits one round of a point, not all of its repeats."""
+    got = {p: [] for p in points}
+    for _ in range(max(1, repeats)):
+        for p in got:
+            got[p].append(await measure(p))
+    return {p: STATISTICS[statistic](v) for p, v in got.items()}
+
+
+async def measure_prefill(probe: Probe, sizes, cached, repeats, statistic: str = "fastest") -> list[list[float]]:
+    """[n, k, seconds] per point, measured :func:`in_rounds`."""
     points = [(n, k) for k in cached for n in sizes]
-    best = {p: float("inf") for p in points}
-    for _ in range(repeats):
-        for n, k in points:
-            best[(n, k)] = min(best[(n, k)], await probe.prefill(n, k, 1))
-    return [[n, k, best[(n, k)]] for n, k in points]
+    got = await in_rounds(points, repeats, lambda p: probe.prefill(p[0], p[1], 1), statistic)
+    return [[n, k, got[(n, k)]] for n, k in points]
 
 
-async def measure_decode(probe: Probe, batches, contexts, tokens, repeats) -> list[list[float]]:
-    """[batch, mean context, seconds] per point, in rounds as :func:`measure_prefill`."""
+async def measure_decode(probe: Probe, batches, contexts, tokens, repeats, statistic: str = "fastest") -> list[list[float]]:
+    """[batch, mean context, seconds] per point, measured :func:`in_rounds`."""
     points = [(b, c) for c in contexts for b in batches]
-    best = {p: float("inf") for p in points}
-    for _ in range(repeats):
-        for b, c in points:
-            best[(b, c)] = min(best[(b, c)], await probe.decode_step(b, c, tokens, 1))
+    got = await in_rounds(points, repeats, lambda p: probe.decode_step(p[0], p[1], tokens, 1), statistic)
     # the mean KV length over the second half of the stream, where the gaps are taken
-    return [[b, c + 0.75 * tokens, best[(b, c)]] for b, c in points]
+    return [[b, c + 0.75 * tokens, got[(b, c)]] for b, c in points]
 
 
 def _metric(text: str, name: str, **labels) -> float:
@@ -96,31 +107,39 @@ def _metric(text: str, name: str, **labels) -> float:
                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
 
 
-async def measure_kv(session, pd_url: str, decode_url: str, model: str, sizes, seed: int):
+async def measure_kv(session, pd_url: str, decode_url: str, model: str, sizes, seed: int, repeats: int = 1,
+                     statistic: str = "fastest"):
     """[bytes, seconds] per prompt size, one request at a time through a P/D fleet's router: the decode
     worker's ``tandem:kv_transfer_bytes_total{direction="received"}`` and ``tandem:kv_transfer_seconds``
-    deltas. Raises RuntimeError when a request was not prefilled remotely."""
+    deltas, the seconds measured :func:`in_rounds`. Raises RuntimeError when a request was not prefilled
+    remotely."""
     probe = Probe(session, pd_url, model, seed + 1)
-    out = []
-    for n in sizes:
+    nbytes: dict = {}
+
+    async def one(n: int) -> float:
         async with session.get(decode_url.rstrip("/") + "/metrics") as r:
             before = await r.text()
         await probe.request(probe.ids(n), 1)
         async with session.get(decode_url.rstrip("/") + "/metrics") as r:
             after = await r.text()
-        nbytes = _metric(after, "tandem:kv_transfer_bytes_total", direction="received") - \
+        nbytes[n] = _metric(after, "tandem:kv_transfer_bytes_total", direction="received") - \
             _metric(before, "tandem:kv_transfer_bytes_total", direction="received")
-        secs = _metric(after, "tandem:kv_transfer_seconds_sum") - _metric(before, "tandem:kv_transfer_seconds_sum")
-        if nbytes <= 0:
+        if nbytes[n] <= 0:
             raise RuntimeError(f"{pd_url}: the request was not prefilled remotely (no KV bytes received)")
-        out.append([nbytes, secs])
-    return out
+        return _metric(after, "tandem:kv_transfer_seconds_sum") - _metric(before, "tandem:kv_transfer_seconds_sum")
+    got = await in_rounds(list(sizes), repeats, one, statistic)
+    return [[nbytes[n], got[n]] for n in sizes]
 
 
 async def calibrate(base_url: str, model: str, prefill_sizes=(32, 64, 128, 256, 512, 1024), cached=(0, 256, 512),
                     cached_sizes=(32, 128, 256), batches=(1, 2, 4, 8), contexts=(64, 256), decode_tokens=24,
-                    repeats=3, pd_url=None, pd_decode_url=None, seed=0, command: str = "") -> Calibration:
-    """Measure ``base_url`` and fit the model. Raises RuntimeError when a request fails."""
+                    repeats=3, pd_url=None, pd_decode_url=None, seed=0, command: str = "",
+                    statistic: str = "fastest") -> Calibration:
+    """Measure ``base_url`` and fit the model; each point is the ``statistic`` (``fastest`` or
+    ``median``) of its ``repeats``. Raises RuntimeError when a request fails, ValueError for an unknown
+    statistic."""
+    if statistic not in STATISTICS:
+        raise ValueError(f"statistic must be one of {', '.join(STATISTICS)}, not {statistic!r}")
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         probe = Probe(session, base_url, model, seed)
         await probe.request(probe.ids(64), 4)     # warm-up: first-request costs are not the model's
@@ -130,20 +149,22 @@ async def calibrate(base_url: str, model: str, prefill_sizes=(32, 64, 128, 256, 
                 health = await r.json()
         except (aiohttp.ClientError, ValueError):
             pass
-        pre = await measure_prefill(probe, prefill_sizes, [0], repeats)
-        pre += await measure_prefill(probe, cached_sizes, [k for k in cached if k], repeats)
-        dec = await measure_decode(probe, batches, contexts, decode_tokens, repeats)
+        pre = await measure_prefill(probe, prefill_sizes, [0], repeats, statistic)
+        pre += await measure_prefill(probe, cached_sizes, [k for k in cached if k], repeats, statistic)
+        dec = await measure_decode(probe, batches, contexts, decode_tokens, repeats, statistic)
         fits = {"prefill": fit("prefill", pre), "decode_step": fit("decode_step", dec)}
         if pd_url and pd_decode_url:
             # the prefill and decode fits stand on their own: a failed KV measurement must not lose them
             try:
-                kv = await measure_kv(session, pd_url, pd_decode_url, model, prefill_sizes, seed)
+                kv = await measure_kv(session, pd_url, pd_decode_url, model, prefill_sizes, seed, repeats,
+                                      statistic)
                 fits["kv_transfer"] = fit("kv_transfer", kv)
             except (RuntimeError, aiohttp.ClientError, ValueError) as e:
                 print(f"warning: KV transfer not measured: {e}", file=sys.stderr)
     measured = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 "host": platform.node(), "machine": f"{platform.machine()} {platform.processor()}".strip(),
-                "base_url": base_url, "command": command, "repeats": repeats, "decode_tokens": decode_tokens}
+                "base_url": base_url, "command": command, "repeats": repeats, "statistic": statistic,
+                "decode_tokens": decode_tokens}
     engine = {k: health[k] for k in ("role", "block_size", "max_model_len", "num_blocks") if k in health}
     return Calibration(model, fits, measured, engine)
 
@@ -201,7 +222,8 @@ def _calibrate(args) -> int:
         cal = asyncio.run(calibrate(args.base_url, args.model, _ints(args.prefill_sizes), _ints(args.cached),
                                     _ints(args.cached_prompt_sizes), _ints(args.decode_batches),
                                     _ints(args.decode_contexts), args.decode_tokens, args.repeats, args.pd_url,
-                                    args.pd_decode_url, args.seed, " ".join(["tandem", "bench", *sys.argv[2:]])))
+                                    args.pd_decode_url, args.seed, " ".join(["tandem", "bench", *sys.argv[2:]]),
+                                    args.statistic))
     except (OSError, ValueError, RuntimeError, aiohttp.ClientError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -229,6 +251,9 @@ def add_calibrate_command(sub) -> None:
     c.add_argument("--decode-contexts", default="64,256", help="prompt tokens of each decoding stream")
     c.add_argument("--decode-tokens", type=int, default=24, help="tokens each decoding stream generates")
     c.add_argument("--repeats", type=int, default=3)
+    c.add_argument("--statistic", choices=tuple(STATISTICS), default="fastest",
+                   help="each point from its repeats: the fastest (the worker's own cost) or the median (the "
+                        "machine's typical minute, for a simulation of a fleet running there)")
     c.add_argument("--pd-url", default=None, help="a P/D fleet's router, to measure KV transfer")
     c.add_argument("--pd-decode-url", default=None, help="that fleet's decode worker (its /metrics)")
     c.add_argument("--seed", type=int, default=0)
