@@ -236,13 +236,17 @@ class Fleet:
             if not dec:
                 self.router_queue.append(i)   # re-admitted when a decode replica is ready
                 continue
-            d = min(dec, key=lambda r: (len(r.running) + r.pending_local, r.rid))
-            self._join(now, d, req)
+            self._join(now, self._least_loaded(dec), req)
         if p.waiting:
             self._start_step(now, p)
         self._maybe_gone(now, p)
 
     # ---- decode ------------------------------------------------------------------------------
+    @staticmethod
+    def _least_loaded(dec: list) -> Replica:
+        """The router's decode pick: the fewest sequences running or being prefilled there."""
+        return min(dec, key=lambda r: (len(r.running) + r.pending_local, r.rid))
+
     def _step(self, d: Replica) -> float:
         if not d.running:
             return math.inf
@@ -331,7 +335,7 @@ class Fleet:
             if not math.isnan(req.first_token):   # prefilled, waiting for a decode replica
                 dec = [r for r in self.live["decode"] if r.ready(now)]
                 if dec:
-                    self._join(now, min(dec, key=lambda r: (len(r.running), r.rid)), req)
+                    self._join(now, self._least_loaded(dec), req)
                 else:
                     self.router_queue.append(i)
             elif not self._route(now, i):
