@@ -136,7 +136,10 @@ def test_open_loop_arrivals_keep_the_schedule_with_a_slow_server(tmp_path):
     aiohttp's 100-connection default) lags by seconds. The bounds (p99 <= 50 ms, max <= 250 ms) sit far
     below that and far above this shared 2-core machine's scheduling noise (a CI run saw p99 12.8 ms
     next to other suites; a compiler beside it, 157 ms), so they test the loop, not the machine. The
-    precise lag is a benchmark figure (bench/RESULTS.md), not a test's."""
+    precise lag is a benchmark figure (bench/RESULTS.md), not a test's. That the sends form a Poisson
+    process is tested on the schedule itself: the gaps seen at the server carry that same scheduling
+    noise, and a KS test of 300 gaps with a 20 ms mean notices it (p = 0.001 in a clean-clone run whose
+    p99 lag was 13.7 ms); the lag bounds then say the server saw that schedule."""
     rate, n = 50.0, 300
     for attempt in range(2):
         lag_ms, seen, result = arrivals_lag(tmp_path, rate, n)
@@ -150,7 +153,7 @@ def test_open_loop_arrivals_keep_the_schedule_with_a_slow_server(tmp_path):
     assert p99 <= 50.0, f"p99 lag {p99:.1f} ms"
     assert worst <= 250.0, f"max lag {worst:.1f} ms"
     assert lag_ms.min() >= -1.0   # nothing went early
-    gaps = np.diff(np.sort(list(arrived.values())))
+    gaps = np.diff(np.sort([r.intended_mono for r in result.records]))
     ks = stats.kstest(gaps, "expon", args=(0, 1 / rate))
     assert ks.pvalue > 0.01, ks
     s = summarize(result)
