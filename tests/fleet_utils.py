@@ -19,6 +19,11 @@ from tandem.operator.local import LocalFleet, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "smollm2-135m-instruct"
+#: The autoscaling tests' decode TPOT target, as a multiple of a single request's TPOT measured in-run.
+#: 2.5, not the scenarios' 1.5: this shared 2-core VM's decode step drifts by up to 2x within minutes
+#: (a clean-clone run measured 47 ms alone, then a two-stream trickle's p90 of 88 ms a few minutes later,
+#: and the pool rightly never scaled down), while their heavy loads run 3-6x the single TPOT.
+TPOT_TARGET_FACTOR = 2.5
 
 
 class LogBuffer(io.StringIO):

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from fleet_utils import MODEL, ROOT, chat, metric, single_tpot, start_fleet, wait_for
+from fleet_utils import MODEL, ROOT, TPOT_TARGET_FACTOR, chat, metric, single_tpot, start_fleet, wait_for
 from prometheus_utils import Prometheus
 from tandem.operator.autoscaler.actuate import load_of
 from tandem.operator.autoscaler.fleet_loop import FleetAutoscaler
@@ -89,7 +89,7 @@ def test_decode_scales_up_under_load_then_drains_a_busy_worker(tmp_path):
         # the single request's TPOT, the highest of three: this machine is shared, and a target set on
         # a lucky measurement would read a trickle as a breach
         single = max(single_tpot(fleet.endpoint) for _ in range(3))
-        target = 1.5 * single
+        target = TPOT_TARGET_FACTOR * single
         fleet.pool.spec.decode.autoscaling.target.seconds = target
         print(f"single-request TPOT {single * 1e3:.1f} ms; target {target * 1e3:.1f} ms", flush=True)
         loop = FleetAutoscaler(fleet, window_s=20, interval_s=2, startup_s=20,
@@ -98,14 +98,16 @@ def test_decode_scales_up_under_load_then_drains_a_busy_worker(tmp_path):
         shadow = Shadow(fleet, loop, prom, window_s=20)
 
         # a load that pushes TPOT over the target: the decode pool grows to 2
-        heavy = _bench(fleet.endpoint, tmp_path / "heavy", "--num-prompts", "4000", "--concurrency", "16",
+        heavy = _bench(fleet.endpoint, tmp_path / "heavy", "--num-prompts", "4000", "--concurrency", "32",
                        "--output-len", "48", "--fail-on-error")
         grew = wait_for(lambda: len([p for p in fleet.workers("decode") if p.state == "ready"]) == 2, timeout=200,
                         interval=1)
         ups = [d for d in loop.decisions if d["decode"]["desired"] > d["decode"]["current"]]
         assert grew and ups, f"decode never reached 2 ready workers; decisions: {list(loop.decisions)[-5:]}"
         # the load pushed TPOT over the target (the calibrated policy may act on the demand first)
-        assert max(d["decode"]["observed"] or 0 for d in loop.decisions) > target * 1.1, list(loop.decisions)
+        peak = max(d["decode"]["observed"] or 0 for d in loop.decisions)
+        print(f"heavy load: p90 TPOT up to {peak * 1e3:.1f} ms ({peak / target:.2f}x the target)", flush=True)
+        assert peak > target * 1.1, list(loop.decisions)
         # the same scale-up, seen through Prometheus
         # (its wish, not a step: the acting loop may have started the replica before Prometheus's first
         # scrape showed the load, and then the shadow's current count already includes it)
@@ -116,8 +118,8 @@ def test_decode_scales_up_under_load_then_drains_a_busy_worker(tmp_path):
 
         # the load drops to a trickle of long requests (two streams of about 120 s, from the single-request
         # TPOT), after the heavy run (still sending: 4000 prompts is more than it reaches) stops. Two
-        # streams fit one replica at the target (the calibration's batch-2 step is well under 1.5x its
-        # batch-1 step), so the pool drains a worker that still streams one of them, lets it finish at
+        # streams fit one replica at the target (the calibration's batch-2 step is well under the target's
+        # multiple of its batch-1 step), so the pool drains a worker that still streams one of them, lets it finish at
         # full length and stops it: zero failed requests.
         heavy.terminate()   # the rest of the heavy run is not needed (a terminated client is not a failure)
         heavy.wait(60)
@@ -136,7 +138,8 @@ def test_decode_scales_up_under_load_then_drains_a_busy_worker(tmp_path):
         assert all(r["completion_tokens"] == tokens for r in recs), [r["completion_tokens"] for r in recs]
         d = loop.drains[0]
         assert d["role"] == "decode" and d["at_drain"]["draining"] is True
-        print(f"drained {d['name']} with {d['at_drain']['in_flight']} in flight at drain time", flush=True)
+        print(f"drained {d['name']} with {d['at_drain']['in_flight']} in flight at drain time, "
+              f"{d['at'] - t_trickle:.0f} s into the trickle", flush=True)
         downs = [(x["time"], x["decode"]["current"], x["decode"]["desired"], x["decode"]["reason"],
                   {k: x["decode"]["inputs"].get(k) for k in ("capacity_factor", "need", "demand", "level", "forecast")})
                  for x in list(loop.decisions)[-30:]]

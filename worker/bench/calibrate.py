@@ -98,8 +98,13 @@ async def measure_decode(probe: Probe, batches, contexts, tokens, repeats, stati
     """[batch, mean context, seconds] per point, measured :func:`in_rounds`."""
     points = [(b, c) for c in contexts for b in batches]
     got = await in_rounds(points, repeats, lambda p: probe.decode_step(p[0], p[1], tokens, 1), statistic)
-    # the mean KV length over the second half of the stream, where the gaps are taken
-    return [[b, c + 0.75 * tokens, got[(b, c)]] for b, c in points]
+    return [[b, mean_context(c, tokens), got[(b, c)]] for b, c in points]
+
+
+def mean_context(prompt_tokens: int, tokens: int) -> float:
+    """The mean KV length (tokens) of a decode probe's measured steps: the second half of its stream,
+    where :meth:`Probe.decode_step` takes the gaps."""
+    return prompt_tokens + 0.75 * tokens
 
 
 def _metric(text: str, name: str, **labels) -> float:
@@ -170,8 +175,9 @@ async def calibrate(base_url: str, model: str, prefill_sizes=(32, 64, 128, 256, 
 
 
 async def verify(cal: Calibration, base_url: str, model: str, prefill_points, decode_points, decode_tokens=24,
-                 repeats=3, seed=1) -> list[dict]:
-    """Measure fresh points and compare with the calibration's predictions.
+                 repeats=3, seed=1, statistic: str = "fastest") -> list[dict]:
+    """Measure fresh points, each :func:`in_rounds` as the calibration's own, and compare them with
+    its predictions.
 
     ``prefill_points``: (n, k) pairs; ``decode_points``: (batch, context) pairs. Returns one row per
     point: what, inputs, measured and predicted seconds, relative error."""
@@ -179,18 +185,15 @@ async def verify(cal: Calibration, base_url: str, model: str, prefill_points, de
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         probe = Probe(session, base_url, model, seed)
         await probe.request(probe.ids(64), 4)
-        pre = []
-        for k in sorted({k for _, k in prefill_points}):
-            pre += await measure_prefill(probe, [n for n, kk in prefill_points if kk == k], [k], repeats)
-        for n, k, m in pre:
+        pre = await in_rounds(list(prefill_points), repeats, lambda p: probe.prefill(p[0], p[1], 1), statistic)
+        for (n, k), m in pre.items():
             p = cal.prefill_seconds(n + k, k)
             rows.append({"what": "prefill", "inputs": {"n": n, "k": k}, "measured": m, "predicted": p,
                          "rel_err": (p - m) / m})
-        dec = []
-        for b, c in decode_points:
-            dec += await measure_decode(probe, [b], [c], decode_tokens, repeats)
-        for (b, c), (_, ctx, m) in zip(decode_points, dec):
-            p = cal.decode_step_seconds(b, ctx)
+        dec = await in_rounds(list(decode_points), repeats,
+                              lambda p: probe.decode_step(p[0], p[1], decode_tokens, 1), statistic)
+        for (b, c), m in dec.items():
+            p = cal.decode_step_seconds(b, mean_context(c, decode_tokens))
             rows.append({"what": "decode_step", "inputs": {"batch": b, "context": c}, "measured": m,
                          "predicted": p, "rel_err": (p - m) / m})
     return rows
