@@ -42,7 +42,7 @@ def make_policy(name: str, spec, perf: PerfModel, calibration, targets: dict, mi
     """A policy object by name. Raises ValueError for an unknown name."""
     k = dict(knobs or {})
     if name == "tandem":
-        return Autoscaler(spec, calibration, startup_s=S.STARTUP_S)
+        return Autoscaler(spec, calibration, startup_s=S.STARTUP_S, **k)
     if name == "static":
         return B.Static(**(k or {"prefill": 6, "decode": 6}))
     if name == "hpa-queue":
