@@ -56,6 +56,18 @@ rules:
 """
 
 
+def _free_subnet_index() -> int:
+    """A subnet index (20..219) whose bridge does not exist yet: the process's own by default, so that
+    concurrent test runs differ, and the next free one when a cluster of this process still holds it
+    (a session-scoped cluster beside a module-scoped one: both bind the apiserver forwarder on X.1)."""
+    start = os.getpid() % 200
+    for k in range(200):
+        idx = (start + k) % 200 + 20
+        if not Path(f"/sys/class/net/tdm-br{idx}").exists():
+            return idx
+    raise RuntimeError("no free 10.213.X.0/24 subnet: 200 tdm-br bridges exist")
+
+
 class Cluster:
     """etcd + kube-apiserver + controller-manager + scheduler (+ node agent) on 127.0.0.1."""
 
@@ -70,8 +82,8 @@ class Cluster:
         self.logs: dict[str, Path] = {}
         self.token = secrets.token_hex(16)
         self.with_node_agent = node_agent
-        # A private /24 only our namespaces use (10.213.X.0/24); the bridge is tandem-brX.
-        self.subnet_index = subnet_index if subnet_index is not None else (os.getpid() % 200) + 20
+        # A private /24 only our namespaces use (10.213.X.0/24); the bridge is tdm-brX.
+        self.subnet_index = subnet_index if subnet_index is not None else _free_subnet_index()
         self.subnet = f"10.213.{self.subnet_index}"
         self.bridge = f"tdm-br{self.subnet_index}"
         self.host_ip = f"{self.subnet}.1"
