@@ -33,6 +33,9 @@ GRIDS = {
     "apa": [{"fraction": f} for f in (0.5, 0.6, 0.7, 0.85)],
     "oracle": [{"utilization": u} for u in (1.0, 1.25, 1.5, 2.0)],
 }
+#: tandem's own knobs (``Autoscaler``'s headroom and catch_up_s): one setting for every scenario, since a
+#: policy ships with one set of defaults; the committed defaults are this grid's pick on seed 1.
+TANDEM_GRID = [{"headroom": h, "catch_up_s": c} for h in (0.8, 0.9, 1.0) for c in (60.0, 120.0, 240.0)]
 TUNED_FILE = Path(__file__).with_name("tuned.json")
 ATTAINMENT_AIM = 0.95
 

@@ -2,6 +2,7 @@
 policy on every scenario (seed 0) and the issue's aims.
 
     python -m tandem.operator.simulate.tune [--calibration FILE] [--jobs 2] [--table-only] [--markdown OUT]
+    python -m tandem.operator.simulate.tune --tandem-grid [--seed 1]   # tandem's own defaults (run.TANDEM_GRID)
 """
 from __future__ import annotations
 
@@ -35,6 +36,44 @@ def _table_one(args) -> dict:
     return R.table(PerfModel.of(cal), cal, tuned, 0, [name])
 
 
+def _tandem_one(args) -> dict:
+    cal_path, knobs, name, seed = args
+    cal = Calibration.load(cal_path)
+    perf = PerfModel.of(cal)
+    return R.run_one("tandem", S.build(name, perf, seed), perf, cal, knobs)[0]
+
+
+def tandem_grid(cal_path, seed: int = 1, jobs: int = 2) -> list[dict]:
+    """tandem's policy at every setting of :data:`run.TANDEM_GRID` on every scenario: one row per setting,
+    {knobs, scenario: metrics, ..., gpu_hours: total}, and the pick: the cheapest setting whose attainment
+    reaches the aim on every scenario where any setting reaches it (the baselines' rule, across scenarios)."""
+    jobs_args = [(str(cal_path), k, n, seed) for k in R.TANDEM_GRID for n in S.NAMES]
+    with ProcessPoolExecutor(jobs) as ex:
+        ms = list(ex.map(_tandem_one, jobs_args))
+    rows = []
+    for i, k in enumerate(R.TANDEM_GRID):
+        row = {"knobs": k, **{n: ms[i * len(S.NAMES) + j] for j, n in enumerate(S.NAMES)}}
+        row["gpu_hours"] = round(sum(row[n]["gpu_hours"] for n in S.NAMES), 2)
+        rows.append(row)
+    reachable = [n for n in S.NAMES if any(R.meets(r[n]) for r in rows)]
+    good = [r for r in rows if all(R.meets(r[n]) for n in reachable)]
+    for r in rows:
+        r["pick"] = bool(good) and r is min(good, key=lambda x: x["gpu_hours"])
+    return rows
+
+
+def format_tandem_grid(rows: list[dict]) -> str:
+    head = "| headroom | catch_up_s | " + " | ".join(S.NAMES) + " | GPU-h total | pick |"
+    lines = [head, "|" + "---|" * (len(S.NAMES) + 4),
+             "| | | " + " | ".join("TTFT / TPOT att., GPU-h" for _ in S.NAMES) + " | | |"]
+    for r in rows:
+        cells = [f"{r[n]['attainment_ttft']:.1%} / {r[n]['attainment_tpot']:.1%}, {r[n]['gpu_hours']:.2f}"
+                 for n in S.NAMES]
+        lines.append(f"| {r['knobs']['headroom']} | {r['knobs']['catch_up_s']:.0f} | " + " | ".join(cells) +
+                     f" | {r['gpu_hours']:.2f} | {'**yes**' if r['pick'] else ''} |")
+    return "\n".join(lines)
+
+
 def tune_all(cal_path, jobs: int = 2) -> dict:
     """{scenario: {baseline: knobs}} tuned on seed 1, scenarios spread over ``jobs`` processes."""
     with ProcessPoolExecutor(jobs) as ex:
@@ -56,8 +95,18 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--table-only", action="store_true", help="use the committed tuned.json")
     ap.add_argument("--markdown", help="also write the table and the aims here (Markdown)")
+    ap.add_argument("--tandem-grid", action="store_true",
+                    help="instead: tandem's own knobs on the grid run.TANDEM_GRID, one setting for all scenarios")
+    ap.add_argument("--seed", type=int, default=1, help="the scenarios' seed for --tandem-grid (tuning: 1)")
     args = ap.parse_args(argv)
     t0 = time.time()
+    if args.tandem_grid:
+        text = format_tandem_grid(tandem_grid(args.calibration, args.seed, args.jobs))
+        print(text)
+        if args.markdown:
+            Path(args.markdown).write_text(text + "\n")
+        print(f"done in {time.time() - t0:.0f} s", file=sys.stderr)
+        return 0
     if args.table_only:
         tuned = R.load_tuned()
     else:

@@ -89,6 +89,20 @@ def test_tuned_knobs_are_current():
     assert R.tune("apa", sc, PERF, CAL) == tuned["output-shift"]["apa"]
 
 
+def test_tandem_defaults_are_the_grid_pick_on_seed_1():
+    """tandem's headroom and catch_up_s defaults are what tuning picks on seed 1, as the baselines' knobs
+    are (one setting for all scenarios; about 20 s on 2 cores)."""
+    import inspect
+
+    from tandem.operator.autoscaler.policy import Autoscaler
+    from tandem.operator.simulate.tune import tandem_grid
+    rows = tandem_grid(DEFAULT_CALIBRATION, seed=1, jobs=2)
+    picked = [r["knobs"] for r in rows if r["pick"]]
+    params = inspect.signature(Autoscaler).parameters
+    assert picked == [{"headroom": params["headroom"].default, "catch_up_s": params["catch_up_s"].default}], \
+        [(r["knobs"], r["gpu_hours"]) for r in rows]
+
+
 def test_scenarios_are_deterministic_and_as_specified():
     a, b = S.build("bursts", PERF, 0), S.build("bursts", PERF, 0)
     assert a.records == b.records and S.build("bursts", PERF, 1).records != a.records
