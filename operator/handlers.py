@@ -30,6 +30,7 @@ import concurrent.futures
 import logging
 import os
 import random
+import shutil
 import tempfile
 import time
 from typing import Any, Optional
@@ -100,7 +101,8 @@ async def configure(settings: kopf.OperatorSettings, logger, **_):
         if addr not in ("0.0.0.0", "::", ""):
             hosts.append(addr)
         secret = _env("TANDEM_WEBHOOK_SECRET")
-        certdir = tempfile.mkdtemp(prefix="tandem-webhook-")
+        # the serving certificate and its private key: removed at cleanup (the server has loaded them)
+        certdir = STATE["certdir"] = tempfile.mkdtemp(prefix="tandem-webhook-")
         ca, crt, key = await asyncio.to_thread(
             ensure_certs, certdir, hosts, Kube() if secret else None,
             tuple(secret.split("/", 1)) if secret else None)
@@ -137,6 +139,9 @@ async def cleanup(**_):
     auto = STATE.pop("autoscaler", None)
     if auto is not None:
         await asyncio.to_thread(auto.stop)
+    certdir = STATE.pop("certdir", None)
+    if certdir:
+        shutil.rmtree(certdir, ignore_errors=True)
 
 
 async def _autoscaler_loop() -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -296,7 +297,11 @@ def test_apiserver_restart_under_running_operator(cluster, operator):
 @pytest.mark.timeout(240)
 def test_reconciler_reports_invalid_spec_as_degraded(cluster, operator):
     ensure_ns(cluster, "bad")
+    certs = lambda: set(Path(tempfile.gettempdir()).glob("tandem-webhook-*"))  # noqa: E731
+    before = certs()   # the operator pod runs on this host, with its /tmp
     operator.scale(0)  # fail-open: the operator empties its webhooks when it stops
+    # and it removes its serving certificate and private key (an earlier version left one per start)
+    wait_for(lambda: certs() < before, 15, "the stopped operator's webhook certificate dir to be removed")
     d = base_manifest(ns="bad", name="twosources")
     d["spec"]["model"]["source"]["path"] = "/models/x"
     apply_yaml(cluster, d)  # only the schema stands: accepted
