@@ -80,6 +80,13 @@ def test_calibrate_cli_writes_the_file_and_configmap_form_loads(worker, tmp_path
     cal = Calibration.load(out)
     assert cal.fits["prefill"].quality()["points"] == 5 and cal.engine["block_size"] == 16
     assert cal.measured["statistic"] == "median"
+    # --verify measures fresh points against that file, with the same statistic
+    v = subprocess.run([sys.executable, "-m", "tandem.worker.cli", "bench", "calibrate", "--base-url", worker,
+                        "--model", MODEL, "--verify", str(out), "--prefill-sizes", "48", "--decode-batches", "2",
+                        "--decode-contexts", "32", "--decode-tokens", "8", "--repeats", "1", "--statistic", "median"],
+                       capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONSAFEPATH": "1"})
+    assert v.returncode == 0, v.stdout + v.stderr
+    assert "prefill" in v.stdout and "decode_step" in v.stdout and "%" in v.stdout, v.stdout
     # the Kubernetes form: a ConfigMap with the file under the key calibration.yaml
     import yaml
     cm = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "smollm2-calibration"},

@@ -76,6 +76,11 @@ class Probe:
 STATISTICS = {"fastest": min, "median": statistics.median}
 
 
+def _check_statistic(statistic: str) -> None:
+    if statistic not in STATISTICS:
+        raise ValueError(f"statistic must be one of {', '.join(STATISTICS)}, not {statistic!r}")
+
+
 async def in_rounds(points, repeats: int, measure, statistic: str = "fastest") -> dict:
     """{point: the ``statistic`` (a key of :data:`STATISTICS`) of its ``repeats`` measurements (seconds,
     ``await measure(point)``)}. The repeats are rounds over all points, so a burst of other work on the
@@ -143,8 +148,7 @@ async def calibrate(base_url: str, model: str, prefill_sizes=(32, 64, 128, 256, 
     """Measure ``base_url`` and fit the model; each point is the ``statistic`` (``fastest`` or
     ``median``) of its ``repeats``. Raises RuntimeError when a request fails, ValueError for an unknown
     statistic."""
-    if statistic not in STATISTICS:
-        raise ValueError(f"statistic must be one of {', '.join(STATISTICS)}, not {statistic!r}")
+    _check_statistic(statistic)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         probe = Probe(session, base_url, model, seed)
         await probe.request(probe.ids(64), 4)     # warm-up: first-request costs are not the model's
@@ -180,7 +184,9 @@ async def verify(cal: Calibration, base_url: str, model: str, prefill_points, de
     its predictions.
 
     ``prefill_points``: (n, k) pairs; ``decode_points``: (batch, context) pairs. Returns one row per
-    point: what, inputs, measured and predicted seconds, relative error."""
+    point: what, inputs, measured and predicted seconds, relative error. Raises ValueError for an
+    unknown statistic."""
+    _check_statistic(statistic)
     rows = []
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         probe = Probe(session, base_url, model, seed)
@@ -213,7 +219,7 @@ def _calibrate(args) -> int:
             rows = asyncio.run(verify(cal, args.base_url, args.model,
                                       [(n, 0) for n in _ints(args.prefill_sizes)],
                                       [(b, c) for c in _ints(args.decode_contexts) for b in _ints(args.decode_batches)],
-                                      args.decode_tokens, args.repeats, args.seed))
+                                      args.decode_tokens, args.repeats, args.seed, args.statistic))
             t = Table(title=f"{args.verify} against {args.base_url}")
             for c in ("what", "inputs", "measured ms", "predicted ms", "error"):
                 t.add_column(c)
