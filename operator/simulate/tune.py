@@ -57,8 +57,9 @@ def tandem_grid(cal_path, seed: int = 1, jobs: int = 2) -> list[dict]:
         rows.append(row)
     reachable = [n for n in S.NAMES if any(R.meets(r[n]) for r in rows)]
     good = [r for r in rows if all(R.meets(r[n]) for n in reachable)]
+    best = min(good, key=lambda x: x["gpu_hours"]) if good else None
     for r in rows:
-        r["pick"] = bool(good) and r is min(good, key=lambda x: x["gpu_hours"])
+        r["pick"] = r is best
     return rows
 
 

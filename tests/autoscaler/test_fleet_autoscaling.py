@@ -118,9 +118,9 @@ def test_decode_scales_up_under_load_then_drains_a_busy_worker(tmp_path):
 
         # the load drops to a trickle of long requests (two streams of about 120 s, from the single-request
         # TPOT), after the heavy run (still sending: 4000 prompts is more than it reaches) stops. Two
-        # streams fit one replica at the target (the calibration's batch-2 step is well under the target's
-        # multiple of its batch-1 step), so the pool drains a worker that still streams one of them, lets it finish at
-        # full length and stops it: zero failed requests.
+        # streams fit one replica at the target (the calibration's batch-2 step is well under the
+        # target's multiple of its batch-1 step), so the pool drains a worker that still streams one of
+        # them, lets it finish at full length and stops it: zero failed requests.
         heavy.terminate()   # the rest of the heavy run is not needed (a terminated client is not a failure)
         heavy.wait(60)
         assert wait_for(lambda: all(load_of(p.url) == 0 for p in fleet.workers("decode")), timeout=60, interval=0.2)

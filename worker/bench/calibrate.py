@@ -92,24 +92,17 @@ async def in_rounds(points, repeats: int, measure, statistic: str = "fastest") -
     return {p: STATISTICS[statistic](v) for p, v in got.items()}
 
 
-async def measure_prefill(probe: Probe, sizes, cached, repeats, statistic: str = "fastest") -> list[list[float]]:
-    """[n, k, seconds] per point, measured :func:`in_rounds`."""
-    points = [(n, k) for k in cached for n in sizes]
-    got = await in_rounds(points, repeats, lambda p: probe.prefill(p[0], p[1], 1), statistic)
-    return [[n, k, got[(n, k)]] for n, k in points]
+async def measure_prefill(probe: Probe, points, repeats, statistic: str = "fastest") -> list[list[float]]:
+    """[n, k, seconds] per (n, k) point, measured :func:`in_rounds`."""
+    got = await in_rounds(list(points), repeats, lambda p: probe.prefill(p[0], p[1], 1), statistic)
+    return [[n, k, s] for (n, k), s in got.items()]
 
 
-async def measure_decode(probe: Probe, batches, contexts, tokens, repeats, statistic: str = "fastest") -> list[list[float]]:
-    """[batch, mean context, seconds] per point, measured :func:`in_rounds`."""
-    points = [(b, c) for c in contexts for b in batches]
-    got = await in_rounds(points, repeats, lambda p: probe.decode_step(p[0], p[1], tokens, 1), statistic)
-    return [[b, mean_context(c, tokens), got[(b, c)]] for b, c in points]
-
-
-def mean_context(prompt_tokens: int, tokens: int) -> float:
-    """The mean KV length (tokens) of a decode probe's measured steps: the second half of its stream,
-    where :meth:`Probe.decode_step` takes the gaps."""
-    return prompt_tokens + 0.75 * tokens
+async def measure_decode(probe: Probe, points, tokens, repeats, statistic: str = "fastest") -> list[list[float]]:
+    """[batch, mean context, seconds] per (batch, prompt tokens) point, measured :func:`in_rounds`."""
+    got = await in_rounds(list(points), repeats, lambda p: probe.decode_step(p[0], p[1], tokens, 1), statistic)
+    # the mean KV length over the second half of the stream, where the gaps are taken
+    return [[b, c + 0.75 * tokens, s] for (b, c), s in got.items()]
 
 
 def _metric(text: str, name: str, **labels) -> float:
@@ -158,9 +151,10 @@ async def calibrate(base_url: str, model: str, prefill_sizes=(32, 64, 128, 256, 
                 health = await r.json()
         except (aiohttp.ClientError, ValueError):
             pass
-        pre = await measure_prefill(probe, prefill_sizes, [0], repeats, statistic)
-        pre += await measure_prefill(probe, cached_sizes, [k for k in cached if k], repeats, statistic)
-        dec = await measure_decode(probe, batches, contexts, decode_tokens, repeats, statistic)
+        pre = await measure_prefill(probe, [(n, 0) for n in prefill_sizes], repeats, statistic)
+        pre += await measure_prefill(probe, [(n, k) for k in cached if k for n in cached_sizes], repeats, statistic)
+        dec = await measure_decode(probe, [(b, c) for c in contexts for b in batches], decode_tokens, repeats,
+                                   statistic)
         fits = {"prefill": fit("prefill", pre), "decode_step": fit("decode_step", dec)}
         if pd_url and pd_decode_url:
             # the prefill and decode fits stand on their own: a failed KV measurement must not lose them
@@ -191,15 +185,14 @@ async def verify(cal: Calibration, base_url: str, model: str, prefill_points, de
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         probe = Probe(session, base_url, model, seed)
         await probe.request(probe.ids(64), 4)
-        pre = await in_rounds(list(prefill_points), repeats, lambda p: probe.prefill(p[0], p[1], 1), statistic)
-        for (n, k), m in pre.items():
+        for n, k, m in await measure_prefill(probe, prefill_points, repeats, statistic):
             p = cal.prefill_seconds(n + k, k)
             rows.append({"what": "prefill", "inputs": {"n": n, "k": k}, "measured": m, "predicted": p,
                          "rel_err": (p - m) / m})
-        dec = await in_rounds(list(decode_points), repeats,
-                              lambda p: probe.decode_step(p[0], p[1], decode_tokens, 1), statistic)
-        for (b, c), m in dec.items():
-            p = cal.decode_step_seconds(b, mean_context(c, decode_tokens))
+        points = list(dict.fromkeys(decode_points))   # one row per distinct point, in measure_decode's order
+        measured = await measure_decode(probe, points, decode_tokens, repeats, statistic)
+        for (b, c), (_, ctx, m) in zip(points, measured):
+            p = cal.decode_step_seconds(b, ctx)
             rows.append({"what": "decode_step", "inputs": {"batch": b, "context": c}, "measured": m,
                          "predicted": p, "rel_err": (p - m) / m})
     return rows
