@@ -17,6 +17,11 @@
   metric here is the role's SLO latency and the knob the fraction of the SLO it targets.
 - ``oracle``: knows each minute's load (arrivals, mean lengths) a tick ahead and starts replicas with no
   start-up time; sizes with the calibrated capacity model, its knob the planned utilization of it.
+- ``oracle-reactive``: the oracle without foresight: it knows the load of the minute it is in (from its
+  first second, so a little ahead of any metrics window) and its replicas pay the start-up time like
+  everyone's. No causal policy that sizes from the present load does better than it at the same
+  utilization, so its settings, all run, show which aims a reactive policy can reach at all
+  (``run.reach``). A yardstick, like the oracle, not a peer.
 """
 from __future__ import annotations
 
@@ -201,3 +206,14 @@ class Oracle:
         needs = [self.need(x) for x in loads] or [{"prefill": self.min, "decode": self.min}]
         want = {r: max(n[r] for n in needs) for r in ROLES}
         return _decision(snap, want, {r: "this and the next minute's load" for r in ROLES})
+
+
+class ReactiveOracle(Oracle):
+    """Knows the load of the minute it is in, and no later one; its replicas pay the start-up time."""
+    name = "oracle-reactive"
+    ignores_startup = False
+
+    def decide(self, snap: PoolSnapshot) -> Decision:
+        m = min(int(snap.at // 60), len(self.minutes) - 1)
+        want = self.need(self.minutes[m]) if m >= 0 else {r: self.min for r in ROLES}
+        return _decision(snap, want, {r: "this minute's load" for r in ROLES})

@@ -25,14 +25,21 @@ from tandem.operator.simulate import baselines as B
 from tandem.operator.simulate import scenarios as S
 from tandem.operator.simulate.fleet import ROLES, Fleet
 
-POLICIES = ("tandem", "static", "hpa-queue", "dynamo", "apa", "oracle")
+POLICIES = ("tandem", "static", "hpa-queue", "dynamo", "apa", "oracle", "oracle-reactive")
+#: Policies that measure the others and are not peers to beat.
+YARDSTICKS = ("oracle", "oracle-reactive")
 #: Each baseline's knob grid (tuned on seed 1, per scenario).
 GRIDS = {
     "hpa-queue": [{"prefill_q": p, "decode_q": d} for p in (0.5, 1.0, 2.0) for d in (0.25, 0.5, 1.0)],
     "dynamo": [{"scale": s} for s in (0.15, 0.2, 0.3, 0.5, 0.7)],
     "apa": [{"fraction": f} for f in (0.5, 0.6, 0.7, 0.85)],
     "oracle": [{"utilization": u} for u in (1.0, 1.25, 1.5, 2.0)],
+    "oracle-reactive": [{"utilization": u} for u in (0.6, 0.8, 1.0, 1.25, 1.5, 2.0)],
 }
+#: The aims :func:`reach` judges (by their opening words): attainment, cost and the comparisons.
+REACH_AIMS = ("attainment", "GPU-hours", "beats")
+#: The two aims every other aim is weighed against in :func:`reach`.
+CORE_AIMS = ("attainment >= 95% (TTFT and TPOT)", "GPU-hours <= 1.2x oracle")
 #: tandem's own knobs (``Autoscaler``'s headroom and catch_up_s): one setting for every scenario, since a
 #: policy ships with one set of defaults; the committed defaults are this grid's pick on seed 1.
 TANDEM_GRID = [{"headroom": h, "catch_up_s": c} for h in (0.8, 0.9, 1.0) for c in (60.0, 120.0, 240.0)]
@@ -56,6 +63,8 @@ def make_policy(name: str, spec, perf: PerfModel, calibration, targets: dict, mi
         return B.APA(targets, **k, max_replicas=max_replicas)
     if name == "oracle":
         return B.Oracle(perf, targets, minutes, **k, max_replicas=max_replicas)
+    if name == "oracle-reactive":
+        return B.ReactiveOracle(perf, targets, minutes, **k, max_replicas=max_replicas)
     raise ValueError(f"unknown policy {name!r} (one of {', '.join(POLICIES)})")
 
 
@@ -256,7 +265,7 @@ def aims(tab: dict) -> list[dict]:
 
     def add(sc, aim, ok, detail):
         out.append({"scenario": sc, "aim": aim, "ok": bool(ok), "detail": detail})
-    failing = {p: [] for p in POLICIES if p not in ("tandem", "oracle")}
+    failing = {p: [] for p in POLICIES if p != "tandem" and p not in YARDSTICKS}
     for sc, pols in tab.items():
         t, o = pols["tandem"], pols["oracle"]
         add(sc, "attainment >= 95% (TTFT and TPOT)", meets(t),
@@ -290,6 +299,61 @@ def aims(tab: dict) -> list[dict]:
     for p, where in failing.items():
         add("all", f"{p} fails somewhere (SLO, or GPU-h > 1.2x oracle)", bool(where), ", ".join(where) or "nowhere")
     return out
+
+
+def reactive_frontier(perf: PerfModel, calibration, seed: int = 0, names=S.NAMES) -> dict:
+    """{scenario: [metrics]}: the reactive oracle at every setting of its grid, on the evaluation seed."""
+    out = {}
+    for n in names:
+        sc = S.build(n, perf, seed)
+        out[n] = []
+        for k in GRIDS["oracle-reactive"]:
+            m, fleet = run_one("oracle-reactive", sc, perf, calibration, k)
+            if n in ("prompt-shift", "output-shift"):
+                m["steady_change"] = steady_change(fleet)
+            out[n].append(m)
+    return out
+
+
+def reach(tab: dict, frontier: dict) -> dict:
+    """{(scenario, aim): verdict} for the aims of :func:`aims` on attainment, cost and the comparisons
+    with the peers (:data:`REACH_AIMS`; not the "all" rows), asking whether a
+    reactive policy can reach it: each setting of the reactive oracle (:func:`reactive_frontier`) is put
+    in tandem's place and the aims evaluated. Verdicts:
+
+    - ``"out of reach"``: no setting meets the aim;
+    - ``"only by missing <aim>"``: the settings that meet it all miss a core aim (:data:`CORE_AIMS`);
+    - ``"reachable"``: some setting meets it and both core aims.
+
+    Foresight (the oracle) or hindsight (the best static fleet) can do what no setting here does: an
+    aim out of reach here is out of reach for any policy that sizes from the load it has seen."""
+    out = {}
+    for sc, points in frontier.items():
+        per_point = [{r["aim"]: r["ok"] for r in aims({sc: {**tab[sc], "tandem": m}}) if r["scenario"] == sc}
+                     for m in points]
+        for aim in per_point[0]:
+            if not aim.startswith(REACH_AIMS):
+                continue   # direction changes and the shifts' split depend on smoothing, not on reaching
+            meeting = [ok for ok in per_point if ok[aim]]
+            if not meeting:
+                out[(sc, aim)] = "out of reach"
+            elif any(all(ok[c] for c in CORE_AIMS) for ok in meeting):
+                out[(sc, aim)] = "reachable"
+            else:
+                missed = sorted({c for ok in meeting for c in CORE_AIMS if not ok[c]})
+                out[(sc, aim)] = "only by missing " + " or ".join(missed)
+    return out
+
+
+def format_frontier(frontier: dict) -> str:
+    """A Markdown table of the reactive oracle's settings: attainment and GPU-hours per scenario."""
+    us = [k["utilization"] for k in GRIDS["oracle-reactive"]]
+    lines = ["| scenario | " + " | ".join(f"u={u:g}" for u in us) + " |", "|" + "---|" * (len(us) + 1),
+             "| | " + " | ".join("TTFT / TPOT att., GPU-h" for _ in us) + " |"]
+    for sc, points in frontier.items():
+        lines.append(f"| {sc} | " + " | ".join(f"{m['attainment_ttft']:.1%} / {m['attainment_tpot']:.1%}, "
+                                                f"{m['gpu_hours']:.2f}" for m in points) + " |")
+    return "\n".join(lines)
 
 
 def format_aims(rows: list[dict]) -> str:

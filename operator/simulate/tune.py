@@ -2,6 +2,9 @@
 policy on every scenario (seed 0) and the issue's aims.
 
     python -m tandem.operator.simulate.tune [--calibration FILE] [--jobs 2] [--table-only] [--markdown OUT]
+
+The table is followed by the reactive oracle at every setting of its grid and, for each aim tandem
+misses, whether any of those settings reaches it (``run.reach``).
     python -m tandem.operator.simulate.tune --tandem-grid [--seed 1]   # tandem's own defaults (run.TANDEM_GRID)
 """
 from __future__ import annotations
@@ -90,6 +93,29 @@ def table_all(cal_path, tuned: dict, jobs: int = 2) -> dict:
     return out
 
 
+def _frontier_one(args) -> dict:
+    cal_path, name = args
+    cal = Calibration.load(cal_path)
+    return R.reactive_frontier(PerfModel.of(cal), cal, 0, [name])
+
+
+def frontier_all(cal_path, jobs: int = 2) -> dict:
+    """{scenario: [metrics]}: :func:`run.reactive_frontier` on seed 0, scenarios spread over ``jobs``."""
+    out = {}
+    with ProcessPoolExecutor(jobs) as ex:
+        for d in ex.map(_frontier_one, [(str(cal_path), n) for n in S.NAMES]):
+            out.update(d)
+    return out
+
+
+def format_reach(rows: list[dict], verdicts: dict) -> str:
+    """The missed aims with :func:`run.reach`'s verdict on each."""
+    lines = ["| scenario | missed aim | can a reactive policy reach it? |", "|---|---|---|"]
+    lines += [f"| {r['scenario']} | {r['aim']} | {verdicts[(r['scenario'], r['aim'])]} |"
+              for r in rows if not r["ok"] and (r["scenario"], r["aim"]) in verdicts]
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tandem.operator.simulate.tune", description=__doc__)
     ap.add_argument("--calibration", default=str(DEFAULT_CALIBRATION))
@@ -115,7 +141,10 @@ def main(argv=None) -> int:
         R.TUNED_FILE.write_text(json.dumps(tuned, indent=1, sort_keys=True) + "\n")
         print(f"tuned in {time.time() - t0:.0f} s -> {R.TUNED_FILE}", file=sys.stderr)
     tab = table_all(args.calibration, tuned, args.jobs)
-    text = R.format_table(tab) + "\n\n" + R.format_aims(R.aims(tab))
+    rows = R.aims(tab)
+    front = frontier_all(args.calibration, args.jobs)
+    text = (R.format_table(tab) + "\n\n" + R.format_aims(rows) + "\n\nThe reactive oracle at every setting (seed 0):\n\n"
+            + R.format_frontier(front) + "\n\n" + format_reach(rows, R.reach(tab, front)))
     print(text)
     if args.markdown:
         Path(args.markdown).write_text(text + "\n")

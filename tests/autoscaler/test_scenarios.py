@@ -2,7 +2,9 @@
 knobs tuned on seed 1 and committed in operator/simulate/tuned.json), the table printed, and the aims
 asserted. Aims that the measurements show out of reach are listed in KNOWN_MISSES with the figures in
 bench/RESULTS.md; the test fails if one of them starts to pass (update the list and the docs) or if any
-other aim fails."""
+other aim fails. Each listed miss on attainment, cost or a comparison is then checked against the
+reactive oracle (``run.reach``): a miss that a perfectly informed reactive policy avoids is tandem's
+own and must be named so (TANDEM_OWN)."""
 import json
 import subprocess
 import sys
@@ -12,21 +14,21 @@ import pytest
 from tandem.operator.autoscaler.capacity import PerfModel
 from tandem.operator.simulate import run as R
 from tandem.operator.simulate import scenarios as S
-from tandem.operator.simulate.tune import DEFAULT_CALIBRATION, table_all
+from tandem.operator.simulate.tune import DEFAULT_CALIBRATION, format_reach, frontier_all, table_all
 from tandem.worker.bench.calibration import Calibration
 
 pytestmark = pytest.mark.timeout(600)
 CAL = Calibration.load(DEFAULT_CALIBRATION)
 PERF = PerfModel.of(CAL)
 
-_START = ("a x3.8 step of prefill work with a 120 s start-up: the ready workers queue the surge until the new "
-          "ones are up, and those requests finish with TTFT up to ~100 s (4 of 61 windows)")
-_STATIC = ("the best static fleet, tuned in hindsight on seed 1, meets every SLO on seed 0 at fewer GPU-hours; "
-           "tandem holds more prefill replicas than it (bursts: 6.1 against 4): a rise it cannot yet tell from a "
-           "lasting step starts replicas that are ready after a 60 s burst has ended, and they wait out the "
-           "scale-down window. Neither tuning its knobs nor a batch-aware prefill model closed it "
-           "(docs/autoscaler.md)")
-_LATENCY_FIRST = "reaches 97-100% with 1.3-2x tandem's GPU-hours; tandem's slightly lower attainment forbids 'beats'"
+# "the reactive oracle": the load of the present minute known exactly, replicas paying the start-up,
+# run at every setting of its grid (test_known_misses_are_out_of_reach_of_a_reactive_policy)
+_START = ("a x4 step of prefill work with a 120 s start-up: the ready workers queue the surge until the new "
+          "ones are up; the reactive oracle reaches 91.8% TTFT at best, at every setting up to 19.2 GPU-hours")
+_STATIC = ("the best static fleet is sized in hindsight for the peak; no setting of the reactive oracle "
+           "reaches its attainment at fewer GPU-hours (out of reach for a policy without foresight)")
+_LATENCY_FIRST = ("reaches 97-100% with 1.3-2x tandem's GPU-hours; the reactive oracle matches that "
+                  "attainment only above 1.2x the oracle's GPU-hours, or not at all")
 #: (scenario, aim) pairs measured out of reach, each with why (bench/RESULTS.md has the table).
 KNOWN_MISSES: dict = {
     ("step", "beats static"): _STATIC,
@@ -34,7 +36,9 @@ KNOWN_MISSES: dict = {
     ("step", "beats dynamo"): _LATENCY_FIRST,
     ("diurnal", "GPU-hours <= 0.7x best static"): "even the oracle is at 1.05x: small pools queue worse (M/G/c), "
                                                  "so the trough still needs about half the peak's replicas",
-    ("diurnal", "beats dynamo"): _LATENCY_FIRST,
+    ("diurnal", "beats dynamo"): "tandem's own (TANDEM_OWN): dynamo has 100% at 2.2x tandem's GPU-hours, and the "
+                                 "reactive oracle 100% at 11.03 GPU-hours; tandem misses two TPOT windows by "
+                                 "0.4% (minute 52, 3 decode replicas near the trough) and in the last partial one",
     ("bursts", "GPU-hours <= 1.2x oracle"): "60 s bursts are shorter than the 120 s start-up: replicas added in a "
                                             "burst arrive after it; and the oracle, tuned on seed 1 to pack twice "
                                             "the modelled utilization, misses its TPOT on seed 0 (91.8%)",
@@ -49,15 +53,18 @@ KNOWN_MISSES: dict = {
                                                               "+0.04 s per sequence at 1024 tokens), so decode needs "
                                                               "more replicas too; the oracle also goes 1 -> 5",
     ("prompt-shift", "beats static"): _STATIC,
-    ("prompt-shift", "beats hpa-queue"): "hpa-queue holds 1.6x tandem's GPU-hours through the transient",
-    ("prompt-shift", "beats dynamo"): _LATENCY_FIRST,
+    ("prompt-shift", "beats hpa-queue"): _START,
+    ("prompt-shift", "beats dynamo"): _START,
     ("output-shift", "beats static"): _STATIC,
-    ("output-shift", "beats apa"): "apa (tuned) reaches 96.7% TPOT attainment to tandem's "
-                                   "95.1% at 8.92 GPU-hours to 9.28",
+    ("output-shift", "beats apa"): "apa (tuned) reaches 96.7% TPOT attainment to tandem's 95.1% at 8.92 GPU-hours "
+                                   "to 9.28; the reactive oracle needs 14.29 for 96.7%",
     ("bursts", "the oracle meets the SLO"): "tuned on seed 1 to pack twice the modelled utilization, on seed 0 its "
                                             "TPOT attainment is 91.8%",
 }
 ORACLE_MISSES = "the oracle meets the SLO"   # not an aim of the issue: a check of the yardstick
+#: Known misses that some setting of the reactive oracle reaches while meeting both core aims: tandem's
+#: own shortfalls, not the start-up's or the yardsticks' (``run.reach``).
+TANDEM_OWN = {("diurnal", "beats dynamo")}
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +85,22 @@ def test_every_policy_on_every_scenario(table):
         for p, m in pols.items():
             assert m["finished"] == m["requests"], (sc, p)
         assert R.meets(pols["oracle"]) != ((sc, ORACLE_MISSES) in KNOWN_MISSES), sc
+
+
+def test_known_misses_are_out_of_reach_of_a_reactive_policy(table):
+    """Each known miss on attainment, cost or a comparison is checked, not just asserted: the reactive
+    oracle (the load of the present minute known exactly, replicas paying the start-up) is run at every
+    setting of its grid in tandem's place. Where no setting meets the aim, or none meets it without
+    missing a core aim, the miss belongs to the start-up time and the yardsticks; where one does, it is
+    tandem's own and must be listed in TANDEM_OWN."""
+    front = frontier_all(DEFAULT_CALIBRATION, jobs=2)
+    verdicts = R.reach(table, front)
+    rows = R.aims(table)
+    print("\n" + R.format_frontier(front) + "\n\n" + format_reach(rows, verdicts))
+    judged = {k: v for k, v in verdicts.items() if k in KNOWN_MISSES}
+    assert judged, "no known miss was judged"
+    own = {k for k, v in judged.items() if v == "reachable"}
+    assert own == TANDEM_OWN, judged
 
 
 def test_tuned_knobs_are_current():
@@ -157,6 +180,14 @@ def test_cli(tmp_path):
     r4 = subprocess.run(tandem + ["simulate", "--scenario", "step", "--policy", "nope"], capture_output=True,
                         text=True, env=env, timeout=120)
     assert r4.returncode == 2 and "unknown policy" in r4.stderr
+    # a scenario runs on the calibration it is defined on, with the tuned knobs: the table's figures
+    # (the command once defaulted to the serving calibration, where the tuned static fleet got 0% TTFT)
+    r5 = subprocess.run(tandem + ["simulate", "--scenario", "bursts", "--policy", "static", "--json"],
+                        capture_output=True, text=True, env=env, timeout=120)
+    assert r5.returncode == 0, r5.stderr
+    expect, _ = R.run_one("static", S.build("bursts", PERF, 0), PERF, CAL, R.load_tuned()["bursts"]["static"])
+    got = json.loads(r5.stdout)
+    assert got["results"]["static"]["gpu_hours"] == expect["gpu_hours"]
 
 
 def test_scale_to_zero_and_wake_in_the_simulator():
