@@ -78,3 +78,24 @@ def test_compare_prints_both_runs_and_ratios(tmp_path):
     line = next(x for x in out.stdout.splitlines() if "request_throughput" in x)
     assert "2.00" in line and "3.00" in line and "1.500" in line
     assert "0.500" in next(x for x in out.stdout.splitlines() if "ttft_ms.p50" in x)
+
+
+def test_a_trace_is_replayed_whole_unless_cut(tmp_path):
+    """`tandem bench serve --dataset trace` sends every request of the trace; --num-prompts N the first N.
+    (Until the ninth session the drawn datasets' default of 100 cut every trace at 100 requests without
+    a word: the sim-vs-real test's 80% replay sent 100 of its 111.) Drawn datasets keep 100."""
+    from tandem.worker.bench.cli import build_dataset
+    from tandem.worker.cli import build_parser
+    params, records = generate("step", duration=100, rate=1.5, prompt_tokens=16, output_tokens=4, seed=2,
+                               at=50, to_rate=1.5)
+    assert len(records) > 100
+    write_trace(tmp_path / "t.jsonl", "step", params, records)
+    serve = ["bench", "serve", "--base-url", "http://127.0.0.1:1/v1", "--model", "m"]
+    whole = build_dataset(build_parser().parse_args(serve + ["--dataset", "trace", "--dataset-path",
+                                                             str(tmp_path / "t.jsonl")]))
+    assert len(whole.requests) == len(records)
+    cut = build_dataset(build_parser().parse_args(serve + ["--dataset", "trace", "--dataset-path",
+                                                           str(tmp_path / "t.jsonl"), "--num-prompts", "20"]))
+    assert len(cut.requests) == 20
+    drawn = build_dataset(build_parser().parse_args(serve + ["--dataset", "random", "--input-len", "8"]))
+    assert len(drawn.requests) == 100

@@ -15,6 +15,11 @@ def _floats(s: str) -> list[float]:
     return [float(x) for x in s.replace(",", " ").split()]
 
 
+#: requests a drawn dataset (random, sharegpt) has unless ``--num-prompts`` says otherwise; a trace is
+#: replayed whole (until the ninth session it, too, was cut at 100 requests without a word)
+DEFAULT_NUM_PROMPTS = 100
+
+
 def build_dataset(args):
     """The dataset the arguments describe: loaded from ``--load-dataset``, or drawn from the seed."""
     from tandem.worker.bench import datasets as ds
@@ -24,10 +29,10 @@ def build_dataset(args):
     maker = PromptMaker(load_tokenizer(args.tokenizer or DEFAULT_TOKENIZER))
     kind = args.dataset
     if kind == "random":
-        return ds.random_dataset(maker, args.num_prompts, args.input_len, args.output_len, args.length_dist,
+        return ds.random_dataset(maker, args.num_prompts or DEFAULT_NUM_PROMPTS, args.input_len, args.output_len, args.length_dist,
                                  args.length_spread, args.seed)
     if kind == "sharegpt":
-        return ds.sharegpt_dataset(maker, args.dataset_path, args.num_prompts, args.seed,
+        return ds.sharegpt_dataset(maker, args.dataset_path, args.num_prompts or DEFAULT_NUM_PROMPTS, args.seed,
                                    args.output_len if args.sharegpt_fixed_output else None)
     if kind == "prefix":
         return ds.prefix_dataset(maker, args.num_prefixes, args.prefix_len, args.questions_per_prefix,
@@ -132,7 +137,8 @@ def _add_serve(sub) -> None:
     g.add_argument("--save-dataset", help="write the drawn dataset here (JSON Lines)")
     g.add_argument("--tokenizer", default=None, help="model source whose tokenizer sizes the prompts "
                    "(default: the SmolLM2 package)")
-    g.add_argument("--num-prompts", type=int, default=100)
+    g.add_argument("--num-prompts", type=int, default=None,
+                   help=f"requests to draw (default {DEFAULT_NUM_PROMPTS}); trace: the first N (default: all)")
     g.add_argument("--input-len", type=int, default=128, help="prompt tokens (prefix: question; multiturn: each user turn)")
     g.add_argument("--output-len", type=int, default=64)
     g.add_argument("--length-dist", choices=["fixed", "uniform", "lognormal"], default="fixed")
