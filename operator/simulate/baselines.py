@@ -201,7 +201,9 @@ class Oracle:
                 "decode": _bound(math.ceil(dec - 1e-9), self.min, self.max)}
 
     def decide(self, snap: PoolSnapshot) -> Decision:
-        m = int(snap.at // 60)
+        # past the trace's last minute nothing arrives, but requests are still finishing: it keeps the
+        # last minute's fleet (sized to the minimum, it drained decode replicas under running streams)
+        m = min(int(snap.at // 60), len(self.minutes) - 1)
         loads = [self.minutes[i] for i in (m, m + 1) if 0 <= i < len(self.minutes)]
         needs = [self.need(x) for x in loads] or [{"prefill": self.min, "decode": self.min}]
         want = {r: max(n[r] for n in needs) for r in ROLES}

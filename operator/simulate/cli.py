@@ -10,6 +10,7 @@ static fleet is the best one in hindsight on this trace (the fewest replicas mee
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -27,20 +28,24 @@ def _plot(runs: dict, targets: dict, path: str, title: str) -> None:
     from tandem.operator.simulate.run import _windows
     fig, axes = plt.subplots(4, 1, figsize=(11, 11), sharex=True)
     for name, (_, fleet) in runs.items():
-        t = np.array([x["t"] for x in fleet.timeline]) / 60
-        axes[0].step(t, [x["prefill"] for x in fleet.timeline], where="post", label=name)
-        axes[1].step(t, [x["decode"] for x in fleet.timeline], where="post", label=name)
+        # from t=0 with the fleet it started with (the timeline begins at the first tick)
+        t = np.array([0.0] + [x["t"] for x in fleet.timeline]) / 60
+        for ax, role in zip(axes[:2], ("prefill", "decode")):
+            start = sum(1 for r in fleet.replicas if r.role == role and r.created == 0)
+            ax.step(t, [start] + [x[role] for x in fleet.timeline], where="post", label=name)
         ft = np.array([r.first_token for r in fleet.requests])
         tt = np.array([r.ttft for r in fleet.requests])
         fin = np.array([r.finish for r in fleet.requests])
         tp = np.array([r.tpot for r in fleet.requests])
         ok, okp = ~np.isnan(ft), ~np.isnan(tp)
-        end = max(fleet.duration, float(np.nanmax(fin)) if okp.any() else fleet.duration)
-        w1, w2 = _windows(ft[ok], tt[ok], end), _windows(fin[okp], tp[okp], end)
+        w1, w2 = _windows(ft[ok], tt[ok], fleet.duration), _windows(fin[okp], tp[okp], fleet.duration)
         axes[2].plot(np.arange(w1.size) + 0.5, w1, marker=".", label=name)
         axes[3].plot(np.arange(w2.size) + 0.5, w2, marker=".", label=name)
-    axes[2].axhline(targets["prefill"], color="k", ls="--", lw=1, label="target")
-    axes[3].axhline(targets["decode"], color="k", ls="--", lw=1, label="target")
+    for ax, role in ((axes[2], "prefill"), (axes[3], "decode")):
+        # log scale: one policy's queue of minutes must not flatten the others and the target
+        ax.set_yscale("log")
+        line = ax.axhline(targets[role], color="k", ls="--", lw=1, label=f"target {targets[role]:.3g} s")
+        ax.legend(handles=[line], loc="upper right", fontsize=8)
     for ax, lab in zip(axes, ("prefill replicas", "decode replicas", "p90 TTFT per minute (s)",
                               "p90 TPOT per minute (s)")):
         ax.set_ylabel(lab)
@@ -53,6 +58,54 @@ def _plot(runs: dict, targets: dict, path: str, title: str) -> None:
     plt.close(fig)
 
 
+def _check_args(args) -> None:
+    """Raises ValueError for options that contradict each other or cannot be simulated."""
+    if args.scenario and (args.pool or args.trace):
+        raise ValueError("give --scenario, or --pool and --trace, not both")
+    if not args.scenario:
+        if not (args.pool and args.trace):
+            raise ValueError("give --pool and --trace, or --scenario")
+        given = [o for o, v in (("--seed", args.seed), ("--write-trace", args.write_trace),
+                                ("--write-pool", args.write_pool)) if v is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)}: {'these apply' if len(given) > 1 else 'it applies'} only "
+                             "with --scenario")
+    if args.decisions and not args.json:
+        raise ValueError("--decisions only applies with --json")
+    if not (math.isfinite(args.tick) and args.tick > 0):
+        raise ValueError(f"--tick must be a finite number of seconds > 0 (got {args.tick:g})")
+    if not (math.isfinite(args.startup) and args.startup >= 0):
+        raise ValueError(f"--startup must be a finite number of seconds >= 0 (got {args.startup:g})")
+    for opt, path in (("--pool", args.pool), ("--trace", args.trace), ("--calibration", args.calibration)):
+        if path is not None and not Path(path).is_file():
+            raise ValueError(f"{opt} {path}: no such file")
+    if args.plot:
+        import matplotlib.figure
+        kinds = matplotlib.figure.Figure().canvas.get_supported_filetypes()
+        suffix = Path(args.plot).suffix.lstrip(".").lower()
+        if suffix not in kinds:
+            raise ValueError(f"--plot {args.plot}: give a file ending in one of .{', .'.join(sorted(kinds))}")
+        if not Path(args.plot).resolve().parent.is_dir():
+            raise ValueError(f"--plot {args.plot}: no such directory")
+
+
+def _floor_notes(perf, records: list, targets: dict) -> list[str]:
+    """Sentences for SLO targets below what one request alone takes by the calibration (no policy can
+    meet them, whatever it spends)."""
+    prompt = float(np.median([r["prompt_tokens"] for r in records]))
+    output = float(np.median([r["output_tokens"] for r in records]))
+    ttft = perf.remote_prefill_seconds(prompt)
+    tpot = perf.decode_step_seconds(1, prompt + output / 2)
+    notes = []
+    if targets["prefill"] < ttft:
+        notes.append(f"the TTFT target {targets['prefill']:.3g} s is below one median request's remote prefill "
+                     f"({ttft:.3g} s by the calibration): no fleet meets it")
+    if targets["decode"] < tpot:
+        notes.append(f"the TPOT target {targets['decode']:.3g} s is below one decode step at batch 1 "
+                     f"({tpot:.3g} s by the calibration): no fleet meets it")
+    return notes
+
+
 def _simulate(args) -> int:
     import yaml
 
@@ -60,31 +113,29 @@ def _simulate(args) -> int:
     from tandem.operator.autoscaler.policy import gpus_per_replica
     from tandem.operator.simulate import run as R
     from tandem.operator.simulate import scenarios as S
+    from tandem.operator.simulate.tune import DEFAULT_CALIBRATION
     from tandem.operator.spec import SpecError, load_manifest
     from tandem.worker.bench.calibration import Calibration
     from tandem.worker.bench.trace import read_trace, write_trace
 
-    from tandem.operator.simulate.tune import DEFAULT_CALIBRATION
     try:
+        _check_args(args)
         if args.scenario:
             header, records = {"params": {"scenario": args.scenario}}, None
         else:
-            if not (args.pool and args.trace):
-                raise ValueError("give --pool and --trace, or --scenario")
             pool = load_manifest(args.pool)
             header, records = read_trace(args.trace)
+        scenario = header.get("params", {}).get("scenario")
+        scenario = scenario if scenario in S.NAMES else None
         # the scenarios (their peak, their SLOs) and the baselines' tuned knobs are defined on one
         # calibration; another gives other traces, on which those knobs mean nothing
-        of_scenario = header.get("params", {}).get("scenario") in S.NAMES
-        cal_path = Path(args.calibration or (DEFAULT_CALIBRATION if of_scenario else SERVING_CALIBRATION))
+        cal_path = Path(args.calibration or (DEFAULT_CALIBRATION if scenario else SERVING_CALIBRATION))
         cal = Calibration.load(cal_path)
         perf = PerfModel.of(cal)
-        steady: list = []
         if args.scenario:
-            sc = S.build(args.scenario, perf, args.seed)
+            sc = S.build(args.scenario, perf, args.seed or 0)
             header, records = {"params": sc.params}, sc.records
             pool = load_manifest(S.manifest(sc))
-            steady = sc.steady
             if args.write_trace:
                 write_trace(args.write_trace, args.scenario, sc.params, records)
             if args.write_pool:
@@ -104,28 +155,32 @@ def _simulate(args) -> int:
         for n in names:
             if n not in R.POLICIES:
                 raise ValueError(f"unknown policy {n!r} (one of {', '.join(R.POLICIES)}, all)")
-    except (OSError, ValueError, SpecError) as e:
+    except (OSError, ValueError, SpecError, yaml.YAMLError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
-    duration = float(header.get("params", {}).get("duration") or records[-1]["timestamp"])
-    scenario = header.get("params", {}).get("scenario")
+    # a trace of requests at one instant still spans a second, so that it has a minute of load
+    duration = max(1.0, float(header.get("params", {}).get("duration") or records[-1]["timestamp"]))
+    steady = S.steady_spans(scenario) if scenario else []
     same = cal_path.resolve() == DEFAULT_CALIBRATION.resolve()
     tuned = R.load_tuned().get(scenario, {}) if scenario and same else {}
     if scenario and not same:
         print(f"note: {cal_path} is not the scenarios' calibration; the baselines run with their default "
               "knobs and the static fleet is tuned on this trace", file=sys.stderr)
+    for note in _floor_notes(perf, records, targets):
+        print(f"note: {note}", file=sys.stderr)
     minutes = S.minute_loads(records, duration)
+    bounds = R.replica_bounds(spec)
 
     def one(name, knobs):
-        pol = R.make_policy(name, spec, perf, cal, targets, minutes, knobs)
+        pol = R.make_policy(name, spec, perf, cal, targets, minutes, knobs, startup_s=args.startup)
         if name == "static":
             initial = dict(pol.counts)
         else:
             from tandem.operator.simulate.baselines import Oracle
             initial = Oracle(perf, targets, minutes).need(minutes[0])
         fleet = R.simulate(pol, records, perf, targets, initial, duration, startup_s=args.startup, gpus=gpus,
-                           tick_s=args.tick)
+                           tick_s=args.tick, bounds=bounds)
         m = R.summarize(fleet, targets, steady, duration)
         m["policy"], m["knobs"] = name, knobs or {}
         return m, fleet
@@ -134,7 +189,7 @@ def _simulate(args) -> int:
     for n in names:
         knobs = tuned.get(n)
         if n == "static" and knobs is None:
-            knobs = _best_static(one)
+            knobs = _best_static(one, bounds)
         runs[n] = one(n, knobs)
     out = {"trace": {"requests": len(records), "duration_s": duration, "scenario": scenario},
            "targets": {"ttft_p90_s": targets["prefill"], "tpot_p90_s": targets["decode"]},
@@ -150,14 +205,17 @@ def _simulate(args) -> int:
     return 0
 
 
-def _best_static(one, most: int = 16) -> dict:
-    """The fewest replicas per role meeting the SLOs on this trace (hindsight), each role bisected."""
+def _best_static(one, bounds: dict) -> dict:
+    """The fewest replicas per role meeting the SLOs on this trace (hindsight), each role bisected within
+    the pool's (min, max) per role (``bounds``; a static fleet has at least 1 of each)."""
     def least(role):
         def ok(k):
-            counts = {"prefill": most, "decode": most, role: k}
+            counts = {r: bounds[r][1] for r in bounds}
+            counts[role] = k
             m, _ = one("static", counts)
             return m["attainment_ttft" if role == "prefill" else "attainment_tpot"] >= 0.95
-        lo, hi = 1, most
+        lo, most = max(1, bounds[role][0]), max(1, bounds[role][1])
+        hi = most
         if not ok(hi):
             return most
         while lo < hi:
@@ -180,7 +238,7 @@ def add_simulate_command(sub) -> None:
                         "or with --scenario the one the scenarios are defined on (the baselines' tuned knobs "
                         "hold for that one only)")
     s.add_argument("--scenario", choices=NAMES, help="one of the fixed scenarios instead of --pool/--trace")
-    s.add_argument("--seed", type=int, default=0, help="--scenario: the trace's seed")
+    s.add_argument("--seed", type=int, default=None, help="--scenario: the trace's seed (default 0)")
     s.add_argument("--write-trace", help="--scenario: also write its trace here")
     s.add_argument("--write-pool", help="--scenario: also write its pool manifest here")
     s.add_argument("--policy", default="all", help=f"one of {', '.join(POLICIES)}, or all (default)")

@@ -102,12 +102,20 @@ class Fleet:
         gpus: GPUs per replica of each role.
         duration: the run's length (seconds); requests still running at the end are finished off.
         max_batched_tokens: a prefill step's token budget (the engine's ``max_num_batched_tokens``).
+        bounds: {role: (min, max)} replicas the pool allows; every policy's decision is held to them, as
+            the pool's spec holds any autoscaler (tandem's policy applies them itself).
+
+    Raises ValueError for a tick that is not > 0 or a negative start-up time.
     """
 
     def __init__(self, perf: PerfModel, policy, records: list[dict], initial: dict, startup_s: float = 120.0,
                  tick_s: float = 15.0, window_s: float = 30.0, targets: Optional[dict] = None,
-                 gpus: Optional[dict] = None, duration: Optional[float] = None, max_batched_tokens: int = 2048):
+                 gpus: Optional[dict] = None, duration: Optional[float] = None, max_batched_tokens: int = 2048,
+                 bounds: Optional[dict] = None):
+        if not (math.isfinite(tick_s) and tick_s > 0) or not (math.isfinite(startup_s) and startup_s >= 0):
+            raise ValueError(f"tick_s must be > 0 and startup_s >= 0 (got {tick_s:g}, {startup_s:g})")
         self.perf, self.policy = perf, policy
+        self.bounds = bounds
         self.startup_s = 0.0 if getattr(policy, "ignores_startup", False) else float(startup_s)
         self.tick_s, self.window_s = float(tick_s), float(window_s)
         self.targets = targets or {"prefill": math.inf, "decode": math.inf}
@@ -424,7 +432,11 @@ class Fleet:
         self.absorb = bool(dec.absorb_bursts)
         if not dec.advisory:
             for role in ROLES:
-                self._apply(now, role, dec.role(role).desired)
+                want = dec.role(role).desired
+                if self.bounds is not None:
+                    lo, hi = self.bounds[role]
+                    want = max(lo, min(hi, want))
+                self._apply(now, role, want)
         self.timeline.append({"t": now, "prefill": self._count(now, "prefill"), "decode": self._count(now, "decode"),
                               "ttft_p90": snap.prefill.latency, "tpot_p90": snap.decode.latency,
                               "absorb": self.absorb})

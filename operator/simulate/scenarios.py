@@ -82,10 +82,8 @@ def build(name: str, perf: PerfModel, seed: int = 0) -> Scenario:
     peak = peak_rps(perf)
     common = dict(duration=DURATION, prompt_tokens=PROMPT, output_tokens=OUTPUT, sigma=SIGMA, seed=seed)
     prompt_max, output_max = PROMPT, OUTPUT
-    steady = []
     if name == "step":
         params, recs = generate("step", rate=0.3 * peak, at=SHIFT_AT, to_rate=1.0 * peak, **common)
-        steady = [(300.0, SHIFT_AT), (SHIFT_AT + 600.0, DURATION)]
     elif name == "diurnal":
         params, recs = generate("diurnal", rate=0.6 * peak, amplitude=0.4 / 0.6, period=3600.0, **common)
     elif name == "bursts":
@@ -94,17 +92,23 @@ def build(name: str, perf: PerfModel, seed: int = 0) -> Scenario:
     elif name == "prompt-shift":
         params, recs = generate("prompt-shift", rate=0.25 * peak, at=SHIFT_AT, to_prompt_tokens=4 * PROMPT, **common)
         prompt_max = 4 * PROMPT
-        steady = [(300.0, SHIFT_AT), (SHIFT_AT + 600.0, DURATION)]
     else:
         params, recs = generate("output-shift", rate=0.25 * peak, at=SHIFT_AT, to_output_tokens=4 * OUTPUT, **common)
         output_max = 4 * OUTPUT
-        steady = [(300.0, SHIFT_AT), (SHIFT_AT + 600.0, DURATION)]
     for r in recs:
         r["output_tokens"] = max(2, r["output_tokens"])
         r["prompt_tokens"] = min(r["prompt_tokens"], MAX_MODEL_LEN - r["output_tokens"])
     ttft, tpot = slo(perf, prompt_max, output_max)
     params = dict(params, scenario=name, peak_rps=peak, ttft_target=ttft, tpot_target=tpot)
-    return Scenario(name, recs, params, ttft, tpot, peak, steady)
+    return Scenario(name, recs, params, ttft, tpot, peak, steady_spans(name))
+
+
+def steady_spans(name: str) -> list:
+    """[(start_s, end_s)] spans of a scenario's steady load (the flapping aim): before the change and
+    from 10 minutes after it; none for diurnal and bursts, whose load never holds still."""
+    if name in ("step", "prompt-shift", "output-shift"):
+        return [(300.0, SHIFT_AT), (SHIFT_AT + 600.0, DURATION)]
+    return []
 
 
 def manifest(sc: Scenario, max_replicas: int = 16) -> dict:
@@ -115,7 +119,7 @@ def manifest(sc: Scenario, max_replicas: int = 16) -> dict:
     def role(metric, seconds):
         return {"resources": {"limits": {"nvidia.com/gpu": 1}},
                 "autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": max_replicas,
-                                "target": {"metric": metric, "percentile": 90, "seconds": round(seconds, 4)},
+                                "target": {"metric": metric, "percentile": 90, "seconds": float(seconds)},
                                 "tolerance": 0.1, "behavior": beh}}
 
     return {"apiVersion": "serving.tandem.dev/v1alpha1", "kind": "InferencePool",

@@ -116,16 +116,28 @@ def format_reach(rows: list[dict], verdicts: dict) -> str:
     return "\n".join(lines)
 
 
+def _at_least_one(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1 (got {n})")
+    return n
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tandem.operator.simulate.tune", description=__doc__)
     ap.add_argument("--calibration", default=str(DEFAULT_CALIBRATION))
-    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--jobs", type=_at_least_one, default=2, help="processes (default 2)")
     ap.add_argument("--table-only", action="store_true", help="use the committed tuned.json")
     ap.add_argument("--markdown", help="also write the table and the aims here (Markdown)")
     ap.add_argument("--tandem-grid", action="store_true",
                     help="instead: tandem's own knobs on the grid run.TANDEM_GRID, one setting for all scenarios")
     ap.add_argument("--seed", type=int, default=1, help="the scenarios' seed for --tandem-grid (tuning: 1)")
     args = ap.parse_args(argv)
+    if not Path(args.calibration).is_file():
+        ap.error(f"--calibration {args.calibration}: no such file")
+    if args.table_only and Path(args.calibration).resolve() != DEFAULT_CALIBRATION.resolve():
+        print("note: tuned.json's knobs were tuned on the scenarios' calibration, not on this one; "
+              "run without --table-only to tune on it", file=sys.stderr)
     t0 = time.time()
     if args.tandem_grid:
         text = format_tandem_grid(tandem_grid(args.calibration, args.seed, args.jobs))

@@ -24,7 +24,7 @@ PERF = PerfModel.of(CAL)
 # "the reactive oracle": the load of the present minute known exactly, replicas paying the start-up,
 # run at every setting of its grid (test_known_misses_are_out_of_reach_of_a_reactive_policy)
 _START = ("a x4 step of prefill work with a 120 s start-up: the ready workers queue the surge until the new "
-          "ones are up; the reactive oracle reaches 91.8% TTFT at best, at every setting up to 19.2 GPU-hours")
+          "ones are up; the reactive oracle reaches 91.7% TTFT at best, at every setting up to 19.2 GPU-hours")
 _STATIC = ("the best static fleet is sized in hindsight for the peak; no setting of the reactive oracle "
            "reaches its attainment at fewer GPU-hours (out of reach for a policy without foresight)")
 _LATENCY_FIRST = ("reaches 97-100% with 1.3-2x tandem's GPU-hours; the reactive oracle matches that "
@@ -37,11 +37,11 @@ KNOWN_MISSES: dict = {
     ("diurnal", "GPU-hours <= 0.7x best static"): "even the oracle is at 1.05x: small pools queue worse (M/G/c), "
                                                  "so the trough still needs about half the peak's replicas",
     ("diurnal", "beats dynamo"): "tandem's own (TANDEM_OWN): dynamo has 100% at 2.2x tandem's GPU-hours, and the "
-                                 "reactive oracle 100% at 11.03 GPU-hours; tandem misses two TPOT windows by "
-                                 "0.4% (minute 52, 3 decode replicas near the trough) and in the last partial one",
+                                 "reactive oracle 100% at 11.03 GPU-hours; tandem misses one window (minute "
+                                 "52, 3 replicas per role near the trough: TTFT +9%, TPOT +0.4%)",
     ("bursts", "GPU-hours <= 1.2x oracle"): "60 s bursts are shorter than the 120 s start-up: replicas added in a "
                                             "burst arrive after it; and the oracle, tuned on seed 1 to pack twice "
-                                            "the modelled utilization, misses its TPOT on seed 0 (91.8%)",
+                                            "the modelled utilization, misses its TPOT on seed 0 (93.3%)",
     ("bursts", "GPU-hours <= 0.7x best static"): "even the oracle is at 0.80x static, missing its TPOT",
     ("bursts", "beats static"): _STATIC,
     ("bursts", "beats dynamo"): _LATENCY_FIRST,
@@ -56,10 +56,10 @@ KNOWN_MISSES: dict = {
     ("prompt-shift", "beats hpa-queue"): _START,
     ("prompt-shift", "beats dynamo"): _START,
     ("output-shift", "beats static"): _STATIC,
-    ("output-shift", "beats apa"): "apa (tuned) reaches 96.7% TPOT attainment to tandem's 95.1% at 8.92 GPU-hours "
+    ("output-shift", "beats apa"): "apa (tuned) reaches 96.7% TPOT attainment to tandem's 95.0% at 8.92 GPU-hours "
                                    "to 9.28; the reactive oracle needs 14.29 for 96.7%",
     ("bursts", "the oracle meets the SLO"): "tuned on seed 1 to pack twice the modelled utilization, on seed 0 its "
-                                            "TPOT attainment is 91.8%",
+                                            "TPOT attainment is 93.3%",
 }
 ORACLE_MISSES = "the oracle meets the SLO"   # not an aim of the issue: a check of the yardstick
 #: Known misses that some setting of the reactive oracle reaches while meeting both core aims: tandem's
@@ -186,8 +186,42 @@ def test_cli(tmp_path):
                         capture_output=True, text=True, env=env, timeout=120)
     assert r5.returncode == 0, r5.stderr
     expect, _ = R.run_one("static", S.build("bursts", PERF, 0), PERF, CAL, R.load_tuned()["bursts"]["static"])
-    got = json.loads(r5.stdout)
-    assert got["results"]["static"]["gpu_hours"] == expect["gpu_hours"]
+    assert json.loads(r5.stdout)["results"]["static"]["gpu_hours"] == expect["gpu_hours"]
+    # more bad input, each a one-line error and exit 2 before anything runs (a --tick of 0 once looped
+    # until memory ran out; the others were tracebacks or silently ignored)
+    (tmp_path / "bad.jsonl").write_text('{"timestamp": -1, "prompt_tokens": 8, "output_tokens": 2}\n')
+    pool, trace = ["--pool", str(tmp_path / "p.yaml")], ["--trace", str(tmp_path / "t.jsonl")]
+    for argv, says in ((pool + trace + ["--tick", "0"], "--tick"), (pool + trace + ["--startup", "-5"], "--startup"),
+                       (["--pool", str(tmp_path / "nope.yaml")] + trace, "no such file"),
+                       (pool + trace + ["--seed", "3"], "--seed"), (["--scenario", "step"] + trace, "not both"),
+                       (pool + ["--trace", str(tmp_path / "bad.jsonl")], "bad.jsonl:1: timestamp"),
+                       (pool + trace + ["--plot", str(tmp_path / "x.txt")], "--plot")):
+        r6 = subprocess.run(tandem + ["simulate"] + argv, capture_output=True, text=True, env=env, timeout=60)
+        assert r6.returncode == 2 and "error:" in r6.stderr and says in r6.stderr, (argv, r6.stderr[-500:])
+
+
+def test_every_policy_keeps_to_the_pools_replica_bounds():
+    """The baselines are held to the pool's minReplicas and maxReplicas as tandem's policy is (they once
+    ran 16 + 16 replicas in a pool capped at 8 prefill replicas)."""
+    from tandem.operator.spec import load_manifest
+    sc = S.build("step", PERF, 0)
+    m = S.manifest(sc)
+    m["spec"]["prefill"]["autoscaling"]["maxReplicas"] = 4
+    m["spec"]["decode"]["autoscaling"]["maxReplicas"] = 5
+    spec = load_manifest(m).spec
+    assert R.replica_bounds(spec)["prefill"][1] == 4
+    for name in ("tandem", "hpa-queue", "dynamo", "apa", "oracle", "oracle-reactive"):
+        _, fleet = R.run_one(name, sc, PERF, CAL, R.load_tuned()["step"].get(name), spec=spec)
+        assert max(x["prefill"] for x in fleet.timeline) <= 4 and max(x["decode"] for x in fleet.timeline) <= 5, name
+
+
+def test_the_oracle_keeps_its_fleet_while_the_last_requests_finish():
+    """Past the trace's last minute the oracle keeps that minute's fleet: sized to the minimum, it
+    drained decode replicas under running streams and missed its TPOT in the leftover seconds."""
+    sc = S.build("step", PERF, 0)
+    _, fleet = R.run_one("oracle", sc, PERF, CAL, R.load_tuned()["step"]["oracle"])
+    last = [x for x in fleet.timeline if x["t"] >= S.DURATION - 60]
+    assert min(x["decode"] for x in last) > 1 and min(x["prefill"] for x in last) > 1, last
 
 
 def test_scale_to_zero_and_wake_in_the_simulator():

@@ -99,3 +99,24 @@ def test_a_trace_is_replayed_whole_unless_cut(tmp_path):
     assert len(cut.requests) == 20
     drawn = build_dataset(build_parser().parse_args(serve + ["--dataset", "random", "--input-len", "8"]))
     assert len(drawn.requests) == 100
+
+
+@pytest.mark.parametrize("kw, says", [({"duration": 0}, "duration"), ({"rate": float("inf")}, "rate"),
+                                      ({"rate": float("nan")}, "rate"), ({"to_rate": -3}, "to-rate"),
+                                      ({"prompt_tokens": 0}, "prompt-tokens"), ({"sigma": -1}, "sigma"),
+                                      ({"duration": 1e9}, "requests")])
+def test_trace_generator_names_the_bad_parameter(kw, says):
+    """Bad generator input is a ValueError naming the parameter (a zero duration once wrote an empty
+    trace, an infinite rate raised OverflowError, 1e9 s ran out of memory)."""
+    args = {"duration": 60, "rate": 1.0, "prompt_tokens": 16, "output_tokens": 4, **kw}
+    with pytest.raises(ValueError, match=says):
+        generate("step", **args)
+
+
+def test_a_bad_trace_line_is_named(tmp_path):
+    for line, says in (("[1, 2]", "JSON object"), ("garbage", "not JSON"),
+                       ('{"timestamp": 1, "prompt_tokens": 0, "output_tokens": 2}', "prompt_tokens"),
+                       ('{"timestamp": "a", "prompt_tokens": 3, "output_tokens": 2}', "timestamp")):
+        (tmp_path / "t.jsonl").write_text(line + "\n")
+        with pytest.raises(ValueError, match=f"t.jsonl:1: .*{says}"):
+            read_trace(tmp_path / "t.jsonl")

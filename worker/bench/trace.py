@@ -15,29 +15,67 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 VERSION = 1
 GENERATORS = ("step", "diurnal", "bursts", "prompt-shift", "output-shift")
 
 
+class TraceRecord(BaseModel):
+    """One request of a trace (other fields are kept as they are)."""
+    model_config = ConfigDict(extra="allow")
+    timestamp: float = Field(ge=0, allow_inf_nan=False, description="seconds from the trace's start")
+    prompt_tokens: int = Field(ge=1)
+    output_tokens: int = Field(ge=1)
+    prefix_group: Optional[int] = Field(None, ge=0)
+
+
 def read_trace(path: str | Path) -> tuple[dict, list[dict]]:
-    """(header, records) of a trace file. Raises ValueError for a record without the required fields."""
+    """(header, records) of a trace file, records sorted by timestamp. Raises ValueError naming the file,
+    the line and the field for a line that is not a JSON object or a record that is not valid
+    (:class:`TraceRecord`), and OSError for a file that cannot be read."""
     header, records = {}, []
     for n, line in enumerate(Path(path).read_text().splitlines()):
         if not line.strip():
             continue
-        obj = json.loads(line)
+        try:
+            obj = json.loads(line)
+        except ValueError as e:
+            raise ValueError(f"{path}:{n + 1}: not JSON ({e})") from None
+        if not isinstance(obj, dict):
+            raise ValueError(f"{path}:{n + 1}: a record is a JSON object, not {type(obj).__name__}")
         if n == 0 and "tandem_trace" in obj:
             header = obj
             continue
-        missing = {"timestamp", "prompt_tokens", "output_tokens"} - obj.keys()
-        if missing:
-            raise ValueError(f"{path}:{n + 1}: missing {', '.join(sorted(missing))}")
-        records.append(obj)
+        try:
+            rec = TraceRecord.model_validate(obj)
+        except ValidationError as e:
+            err = e.errors()[0]
+            field = ".".join(str(x) for x in err["loc"])
+            raise ValueError(f"{path}:{n + 1}: {field}: {err['msg']}") from None
+        records.append({**obj, "timestamp": rec.timestamp, "prompt_tokens": rec.prompt_tokens,
+                        "output_tokens": rec.output_tokens})
     records.sort(key=lambda r: r["timestamp"])
     return header, records
+
+
+#: the most requests :func:`generate` makes (a bigger trace is a typo, and it would not fit in memory)
+MAX_REQUESTS = 10_000_000
+
+
+def _positive(least: float | None = None, **values) -> None:
+    """Each given value (None: not set) is a finite number; > 0 when ``least`` is None, else >= least.
+    Raises ValueError naming the first one that is not."""
+    for name, v in values.items():
+        if v is None:
+            continue
+        bad = not math.isfinite(v) or (v <= 0 if least is None else v < least)
+        if bad:
+            bound = "> 0" if least is None else f">= {least:g}"
+            raise ValueError(f"{name.replace('_', '-')} must be a finite number {bound} (got {v:g})")
 
 
 def write_trace(path: str | Path, generator: str, params: dict, records: list[dict]) -> None:
@@ -68,9 +106,15 @@ def generate(kind: str, duration: float, rate: float, prompt_tokens: int, output
     Kinds: ``step`` (rate -> to_rate at ``at``), ``diurnal`` (rate * (1 + amplitude sin(2 pi t / period))),
     ``bursts`` (burst_rate for burst_length s every burst_every s, rate otherwise), ``prompt-shift``
     and ``output-shift`` (the median length moves to to_prompt_tokens / to_output_tokens at ``at``).
-    Raises ValueError for an unknown kind or a rate that is not positive."""
+    Raises ValueError, naming the parameter, for an unknown kind, a duration, rate, period or burst
+    spacing that is not a finite number > 0, lengths under 1 token, a negative sigma, rate after a step
+    or burst rate, and a trace of more than :data:`MAX_REQUESTS` requests."""
     if kind not in GENERATORS:
         raise ValueError(f"unknown trace generator {kind!r} (one of {', '.join(GENERATORS)})")
+    _positive(duration=duration, rate=rate, period=period, burst_every=burst_every, burst_length=burst_length)
+    _positive(0, sigma=sigma, to_rate=to_rate, burst_rate=burst_rate, prefix_groups=prefix_groups, at=at)
+    _positive(1, prompt_tokens=prompt_tokens, output_tokens=output_tokens, to_prompt_tokens=to_prompt_tokens,
+              to_output_tokens=to_output_tokens)
     at = duration / 2 if at is None else at
     p = dict(duration=duration, rate=rate, prompt_tokens=prompt_tokens, output_tokens=output_tokens, sigma=sigma,
              seed=seed, prefix_groups=prefix_groups, at=at)
@@ -92,6 +136,9 @@ def generate(kind: str, duration: float, rate: float, prompt_tokens: int, output
     peak = float(np.max(fn(grid)))
     if rate <= 0 or peak <= 0:
         raise ValueError("rates must be > 0")
+    if peak * duration > MAX_REQUESTS:
+        raise ValueError(f"about {peak * duration:.3g} requests (rate x duration); the most a trace holds is "
+                         f"{MAX_REQUESTS:.0e}")
     rng = np.random.default_rng(seed)
     n_max = int(peak * duration * 1.5 + 50)
     t = np.cumsum(rng.exponential(1 / peak, n_max))
@@ -119,10 +166,10 @@ def _trace(args) -> int:
                                    args.sigma, args.seed, args.at, args.to_rate, args.to_prompt_tokens,
                                    args.to_output_tokens, args.period, args.amplitude, args.burst_rate,
                                    args.burst_every, args.burst_length, args.prefix_groups)
-    except ValueError as e:
+        write_trace(args.output, args.kind, params, records)
+    except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    write_trace(args.output, args.kind, params, records)
     print(f"{args.output}: {len(records)} requests over {args.duration:g} s ({args.kind}, seed {args.seed})")
     return 0
 
