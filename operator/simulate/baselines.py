@@ -184,6 +184,7 @@ class Oracle:
     """Knows each minute's load; its replicas start at once (the simulator skips start-up for it)."""
     name = "oracle"
     ignores_startup = True
+    ahead = 1   # minutes of the future it sizes for, besides the present one
 
     def __init__(self, perf: PerfModel, targets: dict, minutes: list, utilization: float = 1.0,
                  min_replicas: int = 1, max_replicas: int = 16, **_):
@@ -204,18 +205,15 @@ class Oracle:
         # past the trace's last minute nothing arrives, but requests are still finishing: it keeps the
         # last minute's fleet (sized to the minimum, it drained decode replicas under running streams)
         m = min(int(snap.at // 60), len(self.minutes) - 1)
-        loads = [self.minutes[i] for i in (m, m + 1) if 0 <= i < len(self.minutes)]
+        loads = [self.minutes[i] for i in range(m, m + self.ahead + 1) if 0 <= i < len(self.minutes)]
         needs = [self.need(x) for x in loads] or [{"prefill": self.min, "decode": self.min}]
         want = {r: max(n[r] for n in needs) for r in ROLES}
-        return _decision(snap, want, {r: "this and the next minute's load" for r in ROLES})
+        why = "this and the next minute's load" if self.ahead else "this minute's load"
+        return _decision(snap, want, {r: why for r in ROLES})
 
 
 class ReactiveOracle(Oracle):
     """Knows the load of the minute it is in, and no later one; its replicas pay the start-up time."""
     name = "oracle-reactive"
     ignores_startup = False
-
-    def decide(self, snap: PoolSnapshot) -> Decision:
-        m = min(int(snap.at // 60), len(self.minutes) - 1)
-        want = self.need(self.minutes[m]) if m >= 0 else {r: self.min for r in ROLES}
-        return _decision(snap, want, {r: "this minute's load" for r in ROLES})
+    ahead = 0

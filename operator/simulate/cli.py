@@ -31,8 +31,7 @@ def _plot(runs: dict, targets: dict, path: str, title: str) -> None:
         # from t=0 with the fleet it started with (the timeline begins at the first tick)
         t = np.array([0.0] + [x["t"] for x in fleet.timeline]) / 60
         for ax, role in zip(axes[:2], ("prefill", "decode")):
-            start = sum(1 for r in fleet.replicas if r.role == role and r.created == 0)
-            ax.step(t, [start] + [x[role] for x in fleet.timeline], where="post", label=name)
+            ax.step(t, [fleet.initial[role]] + [x[role] for x in fleet.timeline], where="post", label=name)
         ft = np.array([r.first_token for r in fleet.requests])
         tt = np.array([r.ttft for r in fleet.requests])
         fin = np.array([r.finish for r in fleet.requests])
@@ -92,10 +91,9 @@ def _check_args(args) -> None:
 def _floor_notes(perf, records: list, targets: dict) -> list[str]:
     """Sentences for SLO targets below what one request alone takes by the calibration (no policy can
     meet them, whatever it spends)."""
-    prompt = float(np.median([r["prompt_tokens"] for r in records]))
-    output = float(np.median([r["output_tokens"] for r in records]))
-    ttft = perf.remote_prefill_seconds(prompt)
-    tpot = perf.decode_step_seconds(1, prompt + output / 2)
+    from tandem.operator.simulate.scenarios import single_request
+    ttft, tpot = single_request(perf, float(np.median([r["prompt_tokens"] for r in records])),
+                                float(np.median([r["output_tokens"] for r in records])))
     notes = []
     if targets["prefill"] < ttft:
         notes.append(f"the TTFT target {targets['prefill']:.3g} s is below one median request's remote prefill "

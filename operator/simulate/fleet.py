@@ -115,7 +115,7 @@ class Fleet:
         if not (math.isfinite(tick_s) and tick_s > 0) or not (math.isfinite(startup_s) and startup_s >= 0):
             raise ValueError(f"tick_s must be > 0 and startup_s >= 0 (got {tick_s:g}, {startup_s:g})")
         self.perf, self.policy = perf, policy
-        self.bounds = bounds
+        self.initial, self.bounds = dict(initial), bounds
         self.startup_s = 0.0 if getattr(policy, "ignores_startup", False) else float(startup_s)
         self.tick_s, self.window_s = float(tick_s), float(window_s)
         self.targets = targets or {"prefill": math.inf, "decode": math.inf}

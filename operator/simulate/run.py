@@ -149,8 +149,7 @@ def summarize(fleet: Fleet, targets: dict, steady: list, duration: float) -> dic
             for t0 in np.arange(a, max(a, b - 600.0) + 1e-9, 15.0):
                 worst = max(worst, sum(1 for t in flips if t0 <= t < t0 + 600.0 and t < b))
         # a trace shorter than the first tick has no timeline: the fleet it started with
-        counts = [x[role] for x in fleet.timeline] or [sum(1 for r in fleet.replicas if r.role == role
-                                                            and r.created == 0)]
+        counts = [x[role] for x in fleet.timeline] or [fleet.initial[role]]
         out[role] = {"actions": len(deltas), "direction_changes": len(flips), "flaps_per_10min": worst,
                      "mean_replicas": round(float(np.mean(counts)), 3), "max_replicas": int(max(counts))}
     return out
@@ -173,6 +172,8 @@ def run_one(name: str, sc: S.Scenario, perf: PerfModel, calibration, knobs: Opti
     fleet = simulate(pol, sc.records, perf, sc.targets, initial, S.DURATION, bounds=replica_bounds(spec))
     m = summarize(fleet, sc.targets, sc.steady, S.DURATION)
     m["policy"], m["knobs"] = name, knobs or {}
+    if sc.name in ("prompt-shift", "output-shift"):
+        m["steady_change"] = steady_change(fleet)
     return m, fleet
 
 
@@ -239,10 +240,7 @@ def table(perf: PerfModel, calibration, tuned: dict, seed: int = 0, names=S.NAME
         sc = S.build(n, perf, seed)
         out[n] = {}
         for p in POLICIES:
-            m, fleet = run_one(p, sc, perf, calibration, tuned.get(n, {}).get(p))
-            if n in ("prompt-shift", "output-shift"):
-                m["steady_change"] = steady_change(fleet)
-            out[n][p] = m
+            out[n][p] = run_one(p, sc, perf, calibration, tuned.get(n, {}).get(p))[0]
     return out
 
 
@@ -328,12 +326,7 @@ def reactive_frontier(perf: PerfModel, calibration, seed: int = 0, names=S.NAMES
     out = {}
     for n in names:
         sc = S.build(n, perf, seed)
-        out[n] = []
-        for k in GRIDS["oracle-reactive"]:
-            m, fleet = run_one("oracle-reactive", sc, perf, calibration, k)
-            if n in ("prompt-shift", "output-shift"):
-                m["steady_change"] = steady_change(fleet)
-            out[n].append(m)
+        out[n] = [run_one("oracle-reactive", sc, perf, calibration, k)[0] for k in GRIDS["oracle-reactive"]]
     return out
 
 

@@ -64,9 +64,16 @@ def rates_at(perf: PerfModel, replicas: int, prompt: float, output: float, ttft:
     return pre, dec
 
 
+def single_request(perf: PerfModel, prompt: float, output: float) -> tuple[float, float]:
+    """(TTFT, TPOT) seconds of one request alone at these lengths: a remote prefill on an idle fleet, and a
+    batch-1 decode step at the mean context."""
+    return perf.remote_prefill_seconds(prompt), perf.decode_step_seconds(1, prompt + output / 2)
+
+
 def slo(perf: PerfModel, prompt: float, output: float) -> tuple[float, float]:
     """(TTFT target, TPOT target): 3x and 1.5x the single-request values at these median lengths."""
-    return 3 * perf.remote_prefill_seconds(prompt), 1.5 * perf.decode_step_seconds(1, prompt + output / 2)
+    ttft, tpot = single_request(perf, prompt, output)
+    return 3 * ttft, 1.5 * tpot
 
 
 def peak_rps(perf: PerfModel) -> float:

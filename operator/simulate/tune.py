@@ -2,10 +2,10 @@
 policy on every scenario (seed 0) and the issue's aims.
 
     python -m tandem.operator.simulate.tune [--calibration FILE] [--jobs 2] [--table-only] [--markdown OUT]
+    python -m tandem.operator.simulate.tune --tandem-grid [--seed 1]   # tandem's own defaults (run.TANDEM_GRID)
 
 The table is followed by the reactive oracle at every setting of its grid and, for each aim tandem
 misses, whether any of those settings reaches it (``run.reach``).
-    python -m tandem.operator.simulate.tune --tandem-grid [--seed 1]   # tandem's own defaults (run.TANDEM_GRID)
 """
 from __future__ import annotations
 
@@ -33,10 +33,21 @@ def _tune_one(args) -> tuple[str, dict]:
     return name, {p: R.tune(p, sc, perf, cal) for p in R.POLICIES if p != "tandem"}
 
 
-def _table_one(args) -> dict:
+def _seed0_one(args) -> dict:
+    """One scenario of :func:`table_all` (``tuned`` given) or of :func:`frontier_all` (None)."""
     cal_path, name, tuned = args
     cal = Calibration.load(cal_path)
+    if tuned is None:
+        return R.reactive_frontier(PerfModel.of(cal), cal, 0, [name])
     return R.table(PerfModel.of(cal), cal, tuned, 0, [name])
+
+
+def _seed0_all(cal_path, tuned, jobs: int) -> dict:
+    out = {}
+    with ProcessPoolExecutor(jobs) as ex:
+        for d in ex.map(_seed0_one, [(str(cal_path), n, tuned) for n in S.NAMES]):
+            out.update(d)
+    return out
 
 
 def _tandem_one(args) -> dict:
@@ -86,26 +97,12 @@ def tune_all(cal_path, jobs: int = 2) -> dict:
 
 def table_all(cal_path, tuned: dict, jobs: int = 2) -> dict:
     """{scenario: {policy: metrics}} on seed 0 with the tuned knobs."""
-    out = {}
-    with ProcessPoolExecutor(jobs) as ex:
-        for d in ex.map(_table_one, [(str(cal_path), n, tuned) for n in S.NAMES]):
-            out.update(d)
-    return out
-
-
-def _frontier_one(args) -> dict:
-    cal_path, name = args
-    cal = Calibration.load(cal_path)
-    return R.reactive_frontier(PerfModel.of(cal), cal, 0, [name])
+    return _seed0_all(cal_path, tuned, jobs)
 
 
 def frontier_all(cal_path, jobs: int = 2) -> dict:
     """{scenario: [metrics]}: :func:`run.reactive_frontier` on seed 0, scenarios spread over ``jobs``."""
-    out = {}
-    with ProcessPoolExecutor(jobs) as ex:
-        for d in ex.map(_frontier_one, [(str(cal_path), n) for n in S.NAMES]):
-            out.update(d)
-    return out
+    return _seed0_all(cal_path, None, jobs)
 
 
 def format_reach(rows: list[dict], verdicts: dict) -> str:
