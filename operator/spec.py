@@ -1,6 +1,6 @@
 """The InferencePool spec: the one definition read by the operator, the local fleet and the router.
 
-The models mirror the YAML of DESIGN.md field for field (camelCase names, as in the manifest).
+The models mirror the InferencePool YAML (crds/, docs/operator.md) field for field (camelCase names, as in the manifest).
 
 - Single-field rules (types, enums, ranges, patterns, required) are declared on the fields. The CRD's
   structural schema is generated from these models (`operator/crdgen.py`), so the API server enforces

@@ -1,7 +1,7 @@
 """What both backends do with a decision: pick the replica to drain, drain it over HTTP, and write the
 decision down (status entries, one-line reasons). Standard library only; imports no kopf.
 
-Drain (DESIGN.md, Autoscaler): ``POST /drain`` makes a worker stop admitting work and turn not-ready;
+Drain (docs/autoscaler-actuation.md): ``POST /drain`` makes a worker stop admitting work and turn not-ready;
 ``GET /drain`` answers ``{"draining", "in_flight", "drained"}``. A prefill worker counts its pending KV
 transfers in ``in_flight``, so it reports drained only after they end.
 """

@@ -7,7 +7,7 @@ and the oldest one inside the window into a :class:`PoolSnapshot`:
 
 - latency: the percentile of the router's histograms (``role="router"``), from bucket increases summed
   over router replicas: prefill's TTFT of remotely prefilled requests (``prefill="remote"``), decode's
-  TPOT (DESIGN.md: the router sees what the client sees);
+  TPOT (docs/architecture.md: the router sees what the client sees);
 - arrivals: the router's ``tandem:router_routing_decisions_total`` (all decisions for decode, ``remote``
   for prefill), per second over the window actually covered;
 - demand: prefill workers' ``tandem:prompt_tokens_computed_total`` and decode workers'
