@@ -28,6 +28,8 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+from tandem.worker.api.calibration import decode_step_formula, prefill_formula
+
 #: KV bytes per token of SmolLM2-135M in float32 (30 layers x 3 KV heads x 64 dims x K and V x 4 bytes),
 #: the model the committed calibration measured; the calibration's ``engine.kv_bytes_per_token``
 #: overrides it when present.
@@ -63,7 +65,7 @@ def _bisect(f, lo: float, hi: float, iters: int = 50) -> float:
 
 @dataclass
 class PerfModel:
-    """Latency of one replica of each role, from a :class:`~tandem.worker.bench.calibration.Calibration`.
+    """Latency of one replica of each role, from a :class:`~tandem.worker.api.calibration.Calibration`.
 
     Args:
         calibration: the fitted formulas (prefill, decode_step, optional kv_transfer).
@@ -76,9 +78,8 @@ class PerfModel:
     cv2: float = 0.2
 
     def __post_init__(self):
-        # The formulas of worker/bench/calibration.py on plain floats: the simulator evaluates them some
-        # 10^5 times a run, and numpy's per-call overhead made that most of its time. A test checks that
-        # both agree.
+        # The formulas of worker/api/calibration.py on plain floats: the simulator evaluates them some
+        # 10^5 times a run, and numpy's per-call overhead made that most of its time.
         fits = self.calibration.fits
         self._pf = tuple(float(x) for x in fits["prefill"].coef)
         self._ds = tuple(float(x) for x in fits["decode_step"].coef)
@@ -96,9 +97,7 @@ class PerfModel:
     # ---- prefill ----------------------------------------------------------------------------
     def local_prefill_seconds(self, prompt_tokens: float) -> float:
         """Prefill computed where the sequence decodes (no KV transfer), seconds."""
-        a, b, c, _ = self._pf   # no cached prefix here: the n*k term is 0
-        n = float(prompt_tokens)
-        return max(1e-4, a + b * n + c * n * n)
+        return max(1e-4, prefill_formula(self._pf, float(prompt_tokens), 0.0))   # no cached prefix
 
     def remote_prefill_seconds(self, prompt_tokens: float) -> float:
         """TTFT of one remote prefill on an idle prefill replica, and the time it holds that replica (s)."""
@@ -174,10 +173,10 @@ class PerfModel:
         """One decode step (s) at a possibly fractional ``batch``, interpolated between integers."""
         batch = max(1.0, batch)
         lo = math.floor(batch)
-        d, g, e, f_ = self._ds
+        coef = self._ds
 
         def f(b, c):
-            return d + (g if b > 1 else 0.0) + e * b + f_ * b * c
+            return decode_step_formula(coef, b, c)
         a = f(lo, context)
         if batch == lo:
             return max(1e-4, a)

@@ -35,7 +35,7 @@ class FleetAutoscaler:
         drain_timeout_s: the longest a drained worker is waited for before it is stopped anyway
             (SIGTERM still drains; the worker's own --drain-timeout then applies).
         startup_s: the policy's start-up time (how far it forecasts); a CPU worker starts in seconds.
-        calibration: the performance model (:class:`tandem.worker.bench.calibration.Calibration`, e.g.
+        calibration: the performance model (:class:`tandem.worker.api.calibration.Calibration`, e.g.
             ``bench/calibrations/smollm2-cpu.yaml``); without one the policy sizes from latency alone.
         policy: a ready policy (default: ``Autoscaler(fleet.pool.spec, calibration)``).
         source: a metric source (default: a :class:`PodsSource` over the fleet's processes).

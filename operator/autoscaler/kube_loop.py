@@ -41,13 +41,13 @@ from .. import spec as S
 from ..kube import Kube, KubeError, object_path
 from ..security import SECRET_KEY, pool_secret_name
 from tandem.worker.api.auth import pool_headers
+from tandem.worker.api.names import WORKER_ROLES as ROLES
 from .actuate import decision_record, least_loaded, push_absorb_bursts, start_drain, summary, wait_drained
 from .pods_source import PodsSource, Targets, Worker
 
 log = logging.getLogger("tandem.autoscaler")
 
 HISTORY = 10
-ROLES = ("prefill", "decode")
 
 
 def autoscaled(pool: S.InferencePool) -> bool:
@@ -69,7 +69,7 @@ def load_calibration(kube: Kube, pool: S.InferencePool):
         return None
     import yaml
 
-    from tandem.worker.bench.calibration import Calibration
+    from tandem.worker.api.calibration import Calibration
     ns = pool.metadata.namespace
     try:
         cm = kube.get(object_path("v1", "configmaps", ns, ref.configMap))

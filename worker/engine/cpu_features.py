@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import functools
 
+from tandem.worker.api.names import CPU_THREADS_ENV  # noqa: F401 (read here; set by the worker's starter)
+
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
@@ -28,26 +30,6 @@ def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
 def cpu_has_native_bf16() -> bool:
     """True when the host CPU has AVX-512-BF16 or AMX (see :data:`BF16_FLAGS`)."""
     return bool(cpu_flags() & set(BF16_FLAGS))
-
-
-#: The worker's CPU share in whole cores, set by whoever starts it: the local fleet from the role's
-#: ``resources.requests.cpu``, Kubernetes through the Downward API (``requests.cpu``, divisor 1).
-CPU_THREADS_ENV = "TANDEM_CPU_THREADS"
-
-
-def cpu_threads(requests_cpu) -> int | None:
-    """Torch intra-op threads for a worker that requests ``requests_cpu`` (a Kubernetes quantity such
-    as ``"1"``, ``"500m"`` or ``2``): the request rounded up, at least 1; None when no request is set
-    (torch's default, one thread per core it may run on).
-
-    Why the request: torch's default counts the cores in the process's affinity mask, not its share, so
-    workers that share cores (the local fleet's, or pods on one node) each start one thread per core and
-    preempt each other inside every matmul (docs/cpu.md has the measurement). Raises ValueError for a
-    quantity Kubernetes would not accept."""
-    if requests_cpu is None:
-        return None
-    from kubernetes.utils.quantity import parse_quantity
-    return max(1, int(-(-parse_quantity(requests_cpu) // 1)))
 
 
 def apply_cpu_threads(environ=None) -> int | None:

@@ -21,7 +21,7 @@ from tandem.worker.api.http import (DEFAULT_MAX_REQUEST_BYTES, PREFILL_PEER_HEAD
 from tandem.worker.api.openai import max_prompt_chars, read_request_async
 from tandem.worker.engine.async_engine import AsyncEngine, EngineDead
 from tandem.worker.engine.sequence import SamplingParams
-from tandem.worker.server.metrics import Metrics, TokenTimer
+from tandem.worker.api.metrics import Metrics, TokenTimer
 from tandem.worker.server.responses import ResponseBuilder
 from tandem.worker.transfer import remote_prefill
 from tandem.worker.transfer.tcp import KVTransferServer
