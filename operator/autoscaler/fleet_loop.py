@@ -19,7 +19,8 @@ import threading
 import time
 from typing import Optional
 
-from .actuate import decision_record, least_loaded, start_drain, summary, wait_drained
+from .actuate import (acted_on, decision_record, enabled_roles, least_loaded, percentiles, start_drain, summary,
+                      wait_drained)
 from .pods_source import PodsSource, Targets, Worker
 
 log = logging.getLogger("tandem.autoscaler")
@@ -49,14 +50,9 @@ class FleetAutoscaler:
             from .policy import Autoscaler
             policy = Autoscaler(spec, calibration, startup_s=startup_s)
         self.policy = policy
-        pct = {r: (getattr(spec, r).autoscaling.target.percentile
-                   if getattr(spec, r).autoscaling and getattr(spec, r).autoscaling.target else 90.0)
-               for r in ("prefill", "decode")}
-        self.source = source or PodsSource(window_s, pct, stale_s=max(window_s, 3 * interval_s))
+        self.source = source or PodsSource(window_s, percentiles(spec), stale_s=max(window_s, 3 * interval_s))
         self.interval_s, self.drain_timeout_s = interval_s, drain_timeout_s
-        self.advisory = spec.autoscaling.mode == "advisory"
-        self.enabled = {r: bool(getattr(spec, r).autoscaling and getattr(spec, r).autoscaling.enabled)
-                        for r in ("prefill", "decode")}
+        self.enabled = enabled_roles(spec)
         self.decisions: collections.deque = collections.deque(maxlen=50)
         self.drains: list[dict] = []
         self._stop = threading.Event()
@@ -98,7 +94,7 @@ class FleetAutoscaler:
         rolling = any(w.state != "ready" for w in t.prefill + t.decode)
         snap = self.source.observe(t, rolling_out=rolling)
         decision = self.policy.decide(snap)
-        acted = not self.advisory and not decision.advisory
+        acted = acted_on(self.fleet.pool.spec, decision)
         self.decisions.append(decision_record(decision, snap, acted))
         if decision.changes:
             self.fleet.out.write(f"[autoscaler] {'advisory: ' if not acted else ''}{summary(decision)}\n")
