@@ -11,9 +11,11 @@ import sys
 from aiohttp import web
 
 from tandem.worker.api.http import DEFAULT_MAX_REQUEST_BYTES
-from tandem.worker.api.names import PARENT_PID_ENV, SERVE_ROLES, WORKER_PORT
 
 log = logging.getLogger("tandem.serve")
+
+# PARENT_PID_ENV: set by a parent that owns this process (``tandem up``), see exit_with_parent
+from tandem.worker.api.names import PARENT_PID_ENV, SERVE_ROLES, WORKER_PORT  # noqa: E402
 
 
 def exit_with_parent() -> None:

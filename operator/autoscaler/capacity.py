@@ -28,7 +28,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from tandem.worker.api.calibration import decode_step_formula, prefill_formula
+from tandem.worker.api.calibration import decode_step_formula
 
 #: KV bytes per token of SmolLM2-135M in float32 (30 layers x 3 KV heads x 64 dims x K and V x 4 bytes),
 #: the model the committed calibration measured; the calibration's ``engine.kv_bytes_per_token``
@@ -79,7 +79,8 @@ class PerfModel:
 
     def __post_init__(self):
         # The formulas of worker/api/calibration.py on plain floats: the simulator evaluates them some
-        # 10^5 times a run, and numpy's per-call overhead made that most of its time.
+        # 10^5 times a run, and numpy's per-call overhead made that most of its time. A test checks that
+        # both agree.
         fits = self.calibration.fits
         self._pf = tuple(float(x) for x in fits["prefill"].coef)
         self._ds = tuple(float(x) for x in fits["decode_step"].coef)
@@ -97,7 +98,9 @@ class PerfModel:
     # ---- prefill ----------------------------------------------------------------------------
     def local_prefill_seconds(self, prompt_tokens: float) -> float:
         """Prefill computed where the sequence decodes (no KV transfer), seconds."""
-        return max(1e-4, prefill_formula(self._pf, float(prompt_tokens), 0.0))   # no cached prefix
+        a, b, c, _ = self._pf   # no cached prefix here: the n*k term is 0
+        n = float(prompt_tokens)
+        return max(1e-4, a + b * n + c * n * n)
 
     def remote_prefill_seconds(self, prompt_tokens: float) -> float:
         """TTFT of one remote prefill on an idle prefill replica, and the time it holds that replica (s)."""

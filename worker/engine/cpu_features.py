@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import functools
 
-from tandem.worker.api.names import CPU_THREADS_ENV  # noqa: F401 (read here; set by the worker's starter)
-
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
@@ -30,6 +28,10 @@ def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
 def cpu_has_native_bf16() -> bool:
     """True when the host CPU has AVX-512-BF16 or AMX (see :data:`BF16_FLAGS`)."""
     return bool(cpu_flags() & set(BF16_FLAGS))
+
+
+# The variable is set by whoever starts the worker (tandem.worker.api.config.cpu_threads says from what)
+from tandem.worker.api.names import CPU_THREADS_ENV  # noqa: E402
 
 
 def apply_cpu_threads(environ=None) -> int | None:
