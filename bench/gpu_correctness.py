@@ -1,6 +1,6 @@
 """Part 1 of the GPU benchmark: every Triton kernel against its reference, in bf16 (and fp16), on the GPU.
 
-The reference runs in float64 on the same inputs; the bar is DESIGN.md's 1e-2 relative error for
+The reference runs in float64 on the same inputs; the bar is docs/architecture.md's 1e-2 relative error for
 bf16 (5e-3 for fp16, 1e-3 / 5e-2 for the FP8 paths). It also captures a decode step (RoPE + cache
 write + decode attention) in a CUDA graph and checks that replays match eager runs, which is what
 the engine's CUDA-graph decode relies on (no host syncs inside the ops).

@@ -1,6 +1,7 @@
 """Run the operator: `python -m tandem.operator [--namespace NS ...] [--peering NAME] [--webhook ...]`.
 
-Flags map to the TANDEM_* environment variables read by handlers.py; Kopf does the rest.
+Flags map to the TANDEM_* environment variables read by handlers.py and the modules it starts; Kopf
+does the rest.
 """
 from __future__ import annotations
 

@@ -14,20 +14,17 @@ from typing import Any, Optional
 
 import yaml
 
+from . import security
 from . import spec as S
 from tandem.worker.api.config import startup_seconds
-from tandem.worker.engine.cpu_features import CPU_THREADS_ENV
+from tandem.worker.api.names import CPU_THREADS_ENV, KV_PORT, LABEL_POOL, LABEL_ROLE, selector
 
-LABEL_POOL = "serving.tandem.dev/pool"
-LABEL_ROLE = "serving.tandem.dev/role"
 ANN_CONFIG_HASH = "serving.tandem.dev/config-hash"
 ANN_DESIRED_HASH = "serving.tandem.dev/desired-hash"
 CONFIG_DIR = "/etc/tandem"
 MODELS_MOUNT = "/mnt/models"
 TERMINATION_LOG = "/dev/termination-log"
 RUN_AS_USER = 10001
-#: The prefill worker's KV-transfer port (TCP), next to its HTTP port.
-KV_PORT = S.WORKER_PORT + 1
 
 #: Seconds a worker may take to drain in-flight requests before SIGKILL (preStop + SIGTERM).
 WORKER_GRACE_SECONDS = 120
@@ -51,10 +48,6 @@ def labels(pool: str, role: Optional[str] = None) -> dict[str, str]:
         out["app.kubernetes.io/component"] = role
         out[LABEL_ROLE] = role
     return out
-
-
-def selector(pool: str, role: str) -> dict[str, str]:
-    return {LABEL_POOL: pool, LABEL_ROLE: role}
 
 
 def owner_reference(pool: S.InferencePool) -> dict[str, Any]:
@@ -294,7 +287,6 @@ def desired_objects(pool: S.InferencePool, caps: Capabilities = Capabilities(),
                     pool_secret_hash: Optional[str] = None) -> list[dict[str, Any]]:
     """Every child the pool should have, in apply order, but the pool Secret (random: the reconciler
     makes it, and passes its digest as ``pool_secret_hash``; see security.py)."""
-    from . import security
     cur = current_replicas or {}
     objs: list[dict[str, Any]] = [config_map(pool), *router_rbac(pool)]
     objs += [service(pool, r) for r in S.ROLES]

@@ -40,8 +40,8 @@ import yaml
 
 from tandem.operator.spec import SpecError, initial_replicas, load_manifest, worker_config
 from tandem.worker.api import auth
-from tandem.worker.engine.cpu_features import CPU_THREADS_ENV, cpu_threads
-from tandem.worker.serve_cli import PARENT_PID_ENV
+from tandem.worker.api.config import cpu_threads
+from tandem.worker.api.names import CPU_THREADS_ENV, PARENT_PID_ENV
 
 
 #: the restart backoff of a process that exits on its own: first delay, cap, and the time up after
@@ -410,7 +410,7 @@ def run_up(args) -> int:
             from tandem.operator.autoscaler.fleet_loop import FleetAutoscaler
             cal = None
             if getattr(args, "calibration", None):
-                from tandem.worker.bench.calibration import Calibration
+                from tandem.worker.api.calibration import Calibration
                 cal = Calibration.load(args.calibration)
             loop = FleetAutoscaler(fleet, window_s=getattr(args, "autoscale_window", 30.0),
                                    interval_s=getattr(args, "autoscale_interval", 5.0), calibration=cal)

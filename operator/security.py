@@ -19,6 +19,7 @@ import secrets
 from typing import Any, Optional
 
 from . import spec as S
+from tandem.worker.api.names import KV_PORT, LABEL_POOL, LABEL_ROLE, WORKER_ROLES, selector
 
 SECRET_KEY = "secret"
 POOL_SECRET_DIR = "/var/run/tandem/pool-secret"
@@ -80,13 +81,12 @@ def _peer(p: S.PolicyPeer) -> dict[str, Any]:
 def network_policies(pool: S.InferencePool, meta) -> list[dict[str, Any]]:
     """The pool's NetworkPolicies (``meta(name, role)``: desired.py's child metadata). Empty when
     ``spec.networkPolicy.enabled`` is false."""
-    from .desired import KV_PORT, LABEL_POOL, LABEL_ROLE, selector
     np = pool.spec.networkPolicy
     if not np.enabled:
         return []
     name = pool.metadata.name
     workers = {"matchLabels": {LABEL_POOL: name},
-               "matchExpressions": [{"key": LABEL_ROLE, "operator": "In", "values": ["prefill", "decode"]}]}
+               "matchExpressions": [{"key": LABEL_ROLE, "operator": "In", "values": list(WORKER_ROLES)}]}
     router = {"podSelector": {"matchLabels": selector(name, "router")}}
     http = {"protocol": "TCP", "port": S.WORKER_PORT}
     kv = {"protocol": "TCP", "port": KV_PORT}

@@ -1,6 +1,7 @@
 """The InferencePool spec: the one definition read by the operator, the local fleet and the router.
 
-The models mirror the YAML of DESIGN.md field for field (camelCase names, as in the manifest).
+The models mirror the InferencePool YAML (crds/, docs/operator.md) field for field (camelCase names, as
+in the manifest).
 
 - Single-field rules (types, enums, ranges, patterns, required) are declared on the fields. The CRD's
   structural schema is generated from these models (`operator/crdgen.py`), so the API server enforces
@@ -27,6 +28,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from tandem.worker.api.config import (_CROSS_MARK, _CROSS_SEP, EngineSpec, ModelSource, ModelSpec,  # noqa: F401
                                       ResourceRequirements, RouterSpec, SpecError, WorkerConfig, _Model,
                                       kv_cache_bytes, load_worker_config, parse_quantity, problems_of)
+# the pool's roles and the port each serves on: names the workers and the router share
+from tandem.worker.api.names import POOL_ROLES as ROLES, WORKER_PORT  # noqa: F401
 
 GROUP = "serving.tandem.dev"
 VERSION = "v1alpha1"
@@ -35,11 +38,6 @@ KIND = "InferencePool"
 PLURAL = "inferencepools"
 SINGULAR = "inferencepool"
 SHORT_NAMES = ["tpool"]
-
-#: The port every role serves on inside its pod (HTTP: OpenAI API, /health, /ready, /metrics, /drain).
-WORKER_PORT = 8000
-
-ROLES = ("prefill", "decode", "router")
 
 
 NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"   # RFC 1123 label

@@ -97,7 +97,8 @@ def start_worker(role: str = "both", name: str = "e2e-both",
     """One ``tandem serve`` process from the example manifest's worker config (with ``overrides``);
     its output goes to ``log`` (an open file) when given."""
     from tandem.operator.spec import load_manifest, worker_config
-    from tandem.worker.engine.cpu_features import CPU_THREADS_ENV, cpu_threads
+    from tandem.worker.api.config import cpu_threads
+    from tandem.worker.api.names import CPU_THREADS_ENV
     pool = load_manifest(example_manifest(overrides, name))
     cfg = Path(tempfile.mkdtemp()) / "worker.yaml"
     cfg.write_text(worker_config(pool, role).to_yaml())

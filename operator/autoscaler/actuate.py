@@ -1,7 +1,8 @@
-"""What both backends do with a decision: pick the replica to drain, drain it over HTTP, and write the
-decision down (status entries, one-line reasons). Standard library only; imports no kopf.
+"""What both backends (kube_loop.py, fleet_loop.py) do with a decision: read which roles they act on and
+at which percentile, whether a decision is acted on, pick the replica to drain, drain it over HTTP, and
+write the decision down (status entries, one-line reasons). Standard library only; imports no kopf.
 
-Drain (DESIGN.md, Autoscaler): ``POST /drain`` makes a worker stop admitting work and turn not-ready;
+Drain (docs/autoscaler-actuation.md): ``POST /drain`` makes a worker stop admitting work and turn not-ready;
 ``GET /drain`` answers ``{"draining", "in_flight", "drained"}``. A prefill worker counts its pending KV
 transfers in ``in_flight``, so it reports drained only after they end.
 """
@@ -13,7 +14,27 @@ import time
 import urllib.request
 from typing import Callable, Optional
 
+from tandem.worker.api.names import WORKER_ROLES
+
 from .snapshot import Decision, PoolSnapshot
+
+
+def percentiles(spec) -> dict[str, float]:
+    """The percentile each worker role's SLO is read at (``autoscaling.target.percentile``; 90 unset)."""
+    def pct(a):
+        return a.target.percentile if a and a.target else 90.0
+    return {r: pct(getattr(spec, r).autoscaling) for r in WORKER_ROLES}
+
+
+def enabled_roles(spec) -> dict[str, bool]:
+    """Which worker roles the autoscaler acts on (``autoscaling.enabled``)."""
+    return {r: bool(getattr(spec, r).autoscaling and getattr(spec, r).autoscaling.enabled) for r in WORKER_ROLES}
+
+
+def acted_on(spec, decision: Decision) -> bool:
+    """Whether a backend carries ``decision`` out: the pool's mode is active and the policy did not
+    mark the decision advisory."""
+    return spec.autoscaling.mode == "active" and not decision.advisory
 
 
 def http_json(method: str, url: str, timeout: float = 5.0, headers: Optional[dict] = None,

@@ -28,6 +28,8 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+from tandem.worker.api.calibration import decode_step_formula
+
 #: KV bytes per token of SmolLM2-135M in float32 (30 layers x 3 KV heads x 64 dims x K and V x 4 bytes),
 #: the model the committed calibration measured; the calibration's ``engine.kv_bytes_per_token``
 #: overrides it when present.
@@ -63,7 +65,7 @@ def _bisect(f, lo: float, hi: float, iters: int = 50) -> float:
 
 @dataclass
 class PerfModel:
-    """Latency of one replica of each role, from a :class:`~tandem.worker.bench.calibration.Calibration`.
+    """Latency of one replica of each role, from a :class:`~tandem.worker.api.calibration.Calibration`.
 
     Args:
         calibration: the fitted formulas (prefill, decode_step, optional kv_transfer).
@@ -76,7 +78,7 @@ class PerfModel:
     cv2: float = 0.2
 
     def __post_init__(self):
-        # The formulas of worker/bench/calibration.py on plain floats: the simulator evaluates them some
+        # The formulas of worker/api/calibration.py on plain floats: the simulator evaluates them some
         # 10^5 times a run, and numpy's per-call overhead made that most of its time. A test checks that
         # both agree.
         fits = self.calibration.fits
@@ -174,10 +176,10 @@ class PerfModel:
         """One decode step (s) at a possibly fractional ``batch``, interpolated between integers."""
         batch = max(1.0, batch)
         lo = math.floor(batch)
-        d, g, e, f_ = self._ds
+        coef = self._ds
 
         def f(b, c):
-            return d + (g if b > 1 else 0.0) + e * b + f_ * b * c
+            return decode_step_formula(coef, b, c)
         a = f(lo, context)
         if batch == lo:
             return max(1e-4, a)

@@ -19,7 +19,8 @@ import threading
 import time
 from typing import Optional
 
-from .actuate import decision_record, least_loaded, start_drain, summary, wait_drained
+from .actuate import (acted_on, decision_record, enabled_roles, least_loaded, percentiles, start_drain, summary,
+                      wait_drained)
 from .pods_source import PodsSource, Targets, Worker
 
 log = logging.getLogger("tandem.autoscaler")
@@ -35,7 +36,7 @@ class FleetAutoscaler:
         drain_timeout_s: the longest a drained worker is waited for before it is stopped anyway
             (SIGTERM still drains; the worker's own --drain-timeout then applies).
         startup_s: the policy's start-up time (how far it forecasts); a CPU worker starts in seconds.
-        calibration: the performance model (:class:`tandem.worker.bench.calibration.Calibration`, e.g.
+        calibration: the performance model (:class:`tandem.worker.api.calibration.Calibration`, e.g.
             ``bench/calibrations/smollm2-cpu.yaml``); without one the policy sizes from latency alone.
         policy: a ready policy (default: ``Autoscaler(fleet.pool.spec, calibration)``).
         source: a metric source (default: a :class:`PodsSource` over the fleet's processes).
@@ -49,14 +50,9 @@ class FleetAutoscaler:
             from .policy import Autoscaler
             policy = Autoscaler(spec, calibration, startup_s=startup_s)
         self.policy = policy
-        pct = {r: (getattr(spec, r).autoscaling.target.percentile
-                   if getattr(spec, r).autoscaling and getattr(spec, r).autoscaling.target else 90.0)
-               for r in ("prefill", "decode")}
-        self.source = source or PodsSource(window_s, pct, stale_s=max(window_s, 3 * interval_s))
+        self.source = source or PodsSource(window_s, percentiles(spec), stale_s=max(window_s, 3 * interval_s))
         self.interval_s, self.drain_timeout_s = interval_s, drain_timeout_s
-        self.advisory = spec.autoscaling.mode == "advisory"
-        self.enabled = {r: bool(getattr(spec, r).autoscaling and getattr(spec, r).autoscaling.enabled)
-                        for r in ("prefill", "decode")}
+        self.enabled = enabled_roles(spec)
         self.decisions: collections.deque = collections.deque(maxlen=50)
         self.drains: list[dict] = []
         self._stop = threading.Event()
@@ -98,7 +94,7 @@ class FleetAutoscaler:
         rolling = any(w.state != "ready" for w in t.prefill + t.decode)
         snap = self.source.observe(t, rolling_out=rolling)
         decision = self.policy.decide(snap)
-        acted = not self.advisory and not decision.advisory
+        acted = acted_on(self.fleet.pool.spec, decision)
         self.decisions.append(decision_record(decision, snap, acted))
         if decision.changes:
             self.fleet.out.write(f"[autoscaler] {'advisory: ' if not acted else ''}{summary(decision)}\n")

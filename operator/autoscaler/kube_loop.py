@@ -41,18 +41,18 @@ from .. import spec as S
 from ..kube import Kube, KubeError, object_path
 from ..security import SECRET_KEY, pool_secret_name
 from tandem.worker.api.auth import pool_headers
-from .actuate import decision_record, least_loaded, push_absorb_bursts, start_drain, summary, wait_drained
+from tandem.worker.api.names import WORKER_ROLES as ROLES
+from .actuate import (acted_on, decision_record, enabled_roles, least_loaded, percentiles, push_absorb_bursts,
+                      start_drain, summary, wait_drained)
 from .pods_source import PodsSource, Targets, Worker
 
 log = logging.getLogger("tandem.autoscaler")
 
 HISTORY = 10
-ROLES = ("prefill", "decode")
 
 
 def autoscaled(pool: S.InferencePool) -> bool:
-    return any(getattr(pool.spec, r).autoscaling is not None and getattr(pool.spec, r).autoscaling.enabled
-               for r in ROLES)
+    return any(enabled_roles(pool.spec).values())
 
 
 def _ready(pod: dict) -> bool:
@@ -69,7 +69,7 @@ def load_calibration(kube: Kube, pool: S.InferencePool):
         return None
     import yaml
 
-    from tandem.worker.bench.calibration import Calibration
+    from tandem.worker.api.calibration import Calibration
     ns = pool.metadata.namespace
     try:
         cm = kube.get(object_path("v1", "configmaps", ns, ref.configMap))
@@ -88,9 +88,7 @@ class _PoolState:
         from .policy import Autoscaler
         self.generation = pool.metadata.generation
         self.policy = Autoscaler(pool.spec, calibration, startup_s=startup_s)
-        pct = {r: (getattr(pool.spec, r).autoscaling.target.percentile
-                   if getattr(pool.spec, r).autoscaling and getattr(pool.spec, r).autoscaling.target else 90.0)
-               for r in ROLES}
+        pct = percentiles(pool.spec)
         m = pool.spec.autoscaling.metrics
         if m.source == "prometheus":
             from .prometheus_source import PrometheusSource
@@ -198,16 +196,16 @@ class KubeAutoscaler:
         targets, rolling = self._targets(pods, deps, st)
         snap = st.source.observe(targets, rolling_out=rolling)
         decision = st.policy.decide(snap)
-        acted = pool.spec.autoscaling.mode == "active" and not decision.advisory
+        acted = acted_on(pool.spec, decision)
         self._metrics(ns, name, pool, decision, snap)
         self._record(body, pool, st, decision, snap, acted)
         if not acted:
             return
         if decision.absorb_bursts or st.absorbing:
             self._absorb(pool, st, pods, decision.absorb_bursts)
+        enabled = enabled_roles(pool.spec)
         for role in ROLES:
-            a = getattr(pool.spec, role).autoscaling
-            if a is None or not a.enabled:
+            if not enabled[role]:
                 continue
             d = decision.role(role)
             have = deps[role]["spec"].get("replicas", 1)

@@ -7,7 +7,7 @@ and the oldest one inside the window into a :class:`PoolSnapshot`:
 
 - latency: the percentile of the router's histograms (``role="router"``), from bucket increases summed
   over router replicas: prefill's TTFT of remotely prefilled requests (``prefill="remote"``), decode's
-  TPOT (DESIGN.md: the router sees what the client sees);
+  TPOT (docs/architecture.md: the router sees what the client sees);
 - arrivals: the router's ``tandem:router_routing_decisions_total`` (all decisions for decode, ``remote``
   for prefill), per second over the window actually covered;
 - demand: prefill workers' ``tandem:prompt_tokens_computed_total`` and decode workers'
@@ -28,15 +28,16 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Callable, Literal, Optional
 
+from tandem.worker.api import metrics as M
+from tandem.worker.api.metrics import TPOT, TTFT
+
 from .scrape import Scrape, add_buckets, buckets_delta, counter_delta, histogram_quantile, parse
 from .snapshot import PoolSnapshot, Role, RoleSnapshot
 
 WorkerState = Literal["ready", "starting", "draining"]
 
-TTFT = "tandem:time_to_first_token_seconds"
-TPOT = "tandem:request_time_per_output_token_seconds"
-ROUTED = "tandem:router_routing_decisions_total"
-E2E_COUNT = "tandem:e2e_request_latency_seconds_count"
+ROUTED = M.ROUTING_DECISIONS + "_total"
+E2E_COUNT = M.E2E + "_count"
 
 
 @dataclass(frozen=True)
@@ -131,7 +132,7 @@ class PodsSource:
         now = self.clock()
         pairs = [self._pair(u, now, router=True) for u in targets.routers]
         fresh = [(n, b) for n, b in pairs if n is not None]
-        queued = int(sum(n.sum("tandem:router_queued_requests") for n, _ in fresh))
+        queued = int(sum(n.sum(M.ROUTER_QUEUED) for n, _ in fresh))
         # a window is covered once some router's base is at least half a window old
         spans = [n.at - b.at for n, b in fresh if b is not None]
         span = max(spans) if spans else 0.0
@@ -152,13 +153,13 @@ class PodsSource:
             for n, b in fresh:
                 buckets = add_buckets(buckets, buckets_delta(n, b, TTFT, role="router", prefill="remote"))
                 arrivals += counter_delta(n, b, ROUTED, role="router", decision="remote")
-            demand_name = "tandem:prompt_tokens_computed_total"
+            demand_name = M.PROMPT_TOKENS_COMPUTED + "_total"
         else:
             buckets, arrivals = {}, 0.0
             for n, b in fresh:
                 buckets = add_buckets(buckets, buckets_delta(n, b, TPOT, role="router"))
                 arrivals += counter_delta(n, b, ROUTED, role="router")
-            demand_name = "tandem:generation_tokens_total"
+            demand_name = M.GENERATION_TOKENS + "_total"
         finished = sum(counter_delta(n, b, E2E_COUNT, role="router") for n, b in fresh)
         latency = histogram_quantile(self.percentiles[role] / 100.0, buckets) if buckets else None
         demand = running = waiting = 0.0
@@ -168,10 +169,10 @@ class PodsSource:
             if new is None:
                 continue
             demand += counter_delta(new, base, demand_name)
-            running += new.sum("tandem:num_requests_running")
-            waiting += new.sum("tandem:num_requests_waiting")
+            running += new.sum(M.RUNNING)
+            waiting += new.sum(M.WAITING)
             if w.state == "ready":
-                kv.append(new.sum("tandem:kv_cache_usage_perc"))
+                kv.append(new.sum(M.KV_USAGE))
         # a request the router holds is demand, not idleness: it waits for exactly these workers
         idle = arrivals == 0 and finished == 0 and running == 0 and waiting == 0 and queued == 0
         return RoleSnapshot(

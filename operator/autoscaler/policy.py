@@ -36,7 +36,7 @@ from typing import Optional
 from tandem.operator.autoscaler.capacity import PerfModel
 from tandem.operator.autoscaler.snapshot import Decision, PoolSnapshot, RoleDecision, RoleSnapshot
 
-ROLES = ("prefill", "decode")
+from tandem.worker.api.names import WORKER_ROLES as ROLES
 
 
 def gpus_per_replica(role_spec) -> int:
@@ -102,7 +102,7 @@ class Autoscaler:
 
     Args:
         spec: the pool's :class:`~tandem.operator.spec.InferencePoolSpec`.
-        calibration: the performance model (:class:`~tandem.worker.bench.calibration.Calibration`); without
+        calibration: the performance model (:class:`~tandem.worker.api.calibration.Calibration`); without
             one the policy sizes from latency alone (HPA's proportional rule on the SLO metric) and from
             the throughput per replica it observes.
         startup_s: how far ahead to forecast demand: a replica's start-up time (seconds).

@@ -26,6 +26,8 @@ import urllib.parse
 import urllib.request
 from typing import Callable, Optional
 
+from tandem.worker.api import metrics as M
+
 from .pods_source import Targets
 from .snapshot import PoolSnapshot, Role, RoleSnapshot
 
@@ -98,16 +100,16 @@ class PrometheusSource:
         if custom:
             return custom.replace("$pool", self.pool).replace("$window", w).replace("$quantile", repr(q))
         if role == "prefill":
-            sel, name = self._sel("router", prefill="remote"), "tandem:time_to_first_token_seconds_bucket"
+            sel, name = self._sel("router", prefill="remote"), M.TTFT + "_bucket"
         else:
-            sel, name = self._sel("router"), "tandem:request_time_per_output_token_seconds_bucket"
+            sel, name = self._sel("router"), M.TPOT + "_bucket"
         return f"histogram_quantile({q}, sum by (le) (rate({name}{sel}[{w}])))"
 
     # ---- the snapshot -----------------------------------------------------------------------
     def observe(self, targets: Targets, rolling_out: bool = False) -> PoolSnapshot:
         now = self.clock()
         try:
-            present = self._scalar(f"count(tandem:router_routing_decisions_total{self._sel('router')})", now)
+            present = self._scalar(f"count({M.ROUTING_DECISIONS}_total{self._sel('router')})", now)
             snap = None if not present else self._snapshot(targets, rolling_out, now)
         except PrometheusError:
             snap = None
@@ -126,17 +128,17 @@ class PrometheusSource:
     def _snapshot(self, targets: Targets, rolling_out: bool, now: float) -> PoolSnapshot:
         w = f"{int(round(self.window_s))}s"
         r = self._sel("router")
-        queued = int(self._scalar(f"sum(tandem:router_queued_requests{r})", now) or 0)
-        finished = self._scalar(f"sum(increase(tandem:e2e_request_latency_seconds_count{r}[{w}]))", now) or 0.0
+        queued = int(self._scalar(f"sum({M.ROUTER_QUEUED}{r})", now) or 0)
+        finished = self._scalar(f"sum(increase({M.E2E}_count{r}[{w}]))", now) or 0.0
         roles = {}
         for role in ("prefill", "decode"):
             routed = self._sel("router", decision="remote") if role == "prefill" else r
-            arrivals = self._scalar(f"sum(rate(tandem:router_routing_decisions_total{routed}[{w}]))", now) or 0.0
-            counter = "tandem:prompt_tokens_computed_total" if role == "prefill" else "tandem:generation_tokens_total"
+            arrivals = self._scalar(f"sum(rate({M.ROUTING_DECISIONS}_total{routed}[{w}]))", now) or 0.0
+            counter = (M.PROMPT_TOKENS_COMPUTED if role == "prefill" else M.GENERATION_TOKENS) + "_total"
             demand = self._scalar(f"sum(rate({counter}{self._sel(role)}[{w}]))", now) or 0.0
-            running = self._scalar(f"sum(tandem:num_requests_running{self._sel(role)})", now) or 0.0
-            waiting = self._scalar(f"sum(tandem:num_requests_waiting{self._sel(role)})", now) or 0.0
-            kv = self._scalar(f"avg(tandem:kv_cache_usage_perc{self._sel(role)})", now) or 0.0
+            running = self._scalar(f"sum({M.RUNNING}{self._sel(role)})", now) or 0.0
+            waiting = self._scalar(f"sum({M.WAITING}{self._sel(role)})", now) or 0.0
+            kv = self._scalar(f"avg({M.KV_USAGE}{self._sel(role)})", now) or 0.0
             latency = self._scalar(self.latency_query(role), now)
             idle = arrivals == 0 and finished == 0 and running == 0 and waiting == 0 and queued == 0
             roles[role] = self._counts(

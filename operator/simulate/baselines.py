@@ -31,7 +31,7 @@ from typing import Optional
 from tandem.operator.autoscaler.capacity import PerfModel
 from tandem.operator.autoscaler.snapshot import Decision, PoolSnapshot, RoleDecision
 
-ROLES = ("prefill", "decode")
+from tandem.worker.api.names import WORKER_ROLES as ROLES
 
 
 def _bound(x: float, lo: int, hi: int) -> int:

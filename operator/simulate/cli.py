@@ -113,7 +113,7 @@ def _simulate(args) -> int:
     from tandem.operator.simulate import scenarios as S
     from tandem.operator.simulate.tune import DEFAULT_CALIBRATION
     from tandem.operator.spec import SpecError, load_manifest
-    from tandem.worker.bench.calibration import Calibration
+    from tandem.worker.api.calibration import Calibration
     from tandem.worker.bench.trace import read_trace, write_trace
 
     try:

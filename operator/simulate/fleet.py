@@ -38,7 +38,7 @@ import numpy as np
 from tandem.operator.autoscaler.capacity import PerfModel
 from tandem.operator.autoscaler.snapshot import Decision, PoolSnapshot, RoleSnapshot
 
-ROLES = ("prefill", "decode")
+from tandem.worker.api.names import WORKER_ROLES as ROLES
 
 
 @dataclass

@@ -19,7 +19,7 @@ from pathlib import Path
 from tandem.operator.autoscaler.capacity import PerfModel
 from tandem.operator.simulate import run as R
 from tandem.operator.simulate import scenarios as S
-from tandem.worker.bench.calibration import Calibration
+from tandem.worker.api.calibration import Calibration
 
 #: issue 10's scenarios are defined on this calibration (docs/autoscaler.md: "The scenarios' calibration")
 DEFAULT_CALIBRATION = Path(__file__).resolve().parents[2] / "bench/calibrations/smollm2-cpu-scenarios.yaml"

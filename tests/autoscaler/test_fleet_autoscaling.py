@@ -22,7 +22,7 @@ from tandem.operator.autoscaler.fleet_loop import FleetAutoscaler
 from tandem.operator.autoscaler.policy import Autoscaler
 from tandem.operator.autoscaler.prometheus_source import PrometheusSource
 from tandem.operator.local import LocalFleet
-from tandem.worker.bench.calibration import Calibration
+from tandem.worker.api.calibration import Calibration
 
 CPU = {"requests": {"cpu": "1", "memory": "1Gi"}}
 #: SmolLM2 on this kind of CPU, measured by `tandem bench calibrate` (the spec's calibrationRef)

@@ -11,7 +11,7 @@ import pytest
 
 from tandem.operator.autoscaler.pods_source import PodsSource, Targets, Worker
 from tandem.operator.autoscaler.scrape import histogram_quantile, parse
-from tandem.worker.server.metrics import TPOT_BUCKETS, TTFT_BUCKETS, Metrics
+from tandem.worker.api.metrics import TPOT_BUCKETS, TTFT_BUCKETS, Metrics
 
 
 def test_histogram_quantile_interpolates_inside_the_bucket():

@@ -12,7 +12,7 @@ from tandem.operator.autoscaler.policy import Autoscaler
 from tandem.operator.autoscaler.snapshot import PoolSnapshot, RoleSnapshot
 from tandem.operator.simulate.tune import DEFAULT_CALIBRATION
 from tandem.operator.spec import InferencePoolSpec
-from tandem.worker.bench.calibration import Calibration
+from tandem.worker.api.calibration import Calibration
 
 ROOT = Path(__file__).resolve().parents[2]
 CAL = Calibration.load(ROOT / "bench/calibrations/smollm2-cpu.yaml")

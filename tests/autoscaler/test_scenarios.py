@@ -15,7 +15,7 @@ from tandem.operator.autoscaler.capacity import PerfModel
 from tandem.operator.simulate import run as R
 from tandem.operator.simulate import scenarios as S
 from tandem.operator.simulate.tune import DEFAULT_CALIBRATION, format_reach, frontier_all, table_all
-from tandem.worker.bench.calibration import Calibration
+from tandem.worker.api.calibration import Calibration
 
 pytestmark = pytest.mark.timeout(600)
 CAL = Calibration.load(DEFAULT_CALIBRATION)

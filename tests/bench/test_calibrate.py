@@ -11,7 +11,7 @@ import pytest
 
 from fleet_utils import MODEL, start_worker
 from tandem.worker.bench.calibrate import calibrate, verify
-from tandem.worker.bench.calibration import Calibration
+from tandem.worker.api.calibration import Calibration
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -1,5 +1,5 @@
 """dtype auto (resolved once, a named stand-in for the CPU probe), bf16 and INT8 weight-only serving
-against fp32 on the real SmolLM2 (DESIGN.md tolerances), and the KV layout message for two workers
+against fp32 on the real SmolLM2 (docs/architecture.md's tolerances), and the KV layout message for two workers
 that resolved different dtypes."""
 import pytest
 import torch
@@ -105,7 +105,7 @@ def _hf_bf16_error(engine) -> float:
 
 
 def test_bf16_logits_close_to_fp32_and_paris(fp32_engine):
-    """DESIGN.md's bf16 tolerance (1e-2) is per kernel against float64; through 30 layers bf16
+    """docs/architecture.md's bf16 tolerance (1e-2) is per kernel against float64; through 30 layers bf16
     rounding compounds, so the bound is 1e-2 or transformers' own bf16-vs-fp32 error on the same
     prompts (plus a quarter), whichever is larger: never worse than the reference implementation."""
     eng = _engine(dtype="bfloat16")

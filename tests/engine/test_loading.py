@@ -19,7 +19,7 @@ from tandem.worker.engine.loader import load_model
 from tiny_models import write_random_llama
 
 ROOT = Path(__file__).resolve().parents[2]
-BF16_REL = 1e-2     # DESIGN.md: bf16 relative error bound
+BF16_REL = 1e-2     # docs/architecture.md: bf16 relative error bound
 FP32_REL = 1e-4
 
 

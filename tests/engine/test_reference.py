@@ -1,4 +1,4 @@
-"""The engine against Hugging Face transformers: logits (fp32, max abs diff <= 1e-4, DESIGN.md) and
+"""The engine against Hugging Face transformers: logits (fp32, max abs diff <= 1e-4, docs/architecture.md) and
 greedy continuations on tiny random Llama / Qwen2 models, and the real SmolLM2 GGUF."""
 import pytest
 import torch

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-# DESIGN.md, relative error ||out - ref|| / ||ref|| against a float64 reference
+# docs/architecture.md, relative error ||out - ref|| / ||ref|| against a float64 reference
 TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 1e-2}
 FP8_TOL_SAME_QUANT = 1e-3
 FP8_TOL_UNQUANT = 5e-2

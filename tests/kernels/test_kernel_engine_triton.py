@@ -65,7 +65,7 @@ def test_engine_fp8_on_triton_matches_torch(tiny_llama, monkeypatch):
 def test_fp8_model_stays_close_to_unquantized(tiny_llama):
     """The FP8 model's logits stay near the unquantized model's (torch path).
 
-    DESIGN.md's 5e-2 bounds one FP8 op against its unquantized result (tests/kernels/test_kernel_fp8.py
+    docs/architecture.md's 5e-2 bounds one FP8 op against its unquantized result (tests/kernels/test_kernel_fp8.py
     checks that); a model compounds 8 of them (4 projections x 2 layers, ~3.5% each on this tiny model's
     large random weights: ~13% measured), so the bound here is a sanity bound that catches a wrong
     scale or layout (relative error ~1), not a precision claim."""

@@ -22,7 +22,7 @@ import pytest
 import requests
 
 from operator_helpers import (MOCK_IMAGE, OPERATOR_NS, OPERATOR_SA, ROOT, AuditLog, apply_yaml, kget, wait_for)
-from tandem.worker.server.metrics import Metrics
+from tandem.worker.api.metrics import Metrics
 
 NS = "autoscale"
 POOL = "scaled"

@@ -129,3 +129,21 @@ def test_partial_behavior_keeps_each_fields_default(direction, given, want):
     props = _crd_props("spec", "decode", "autoscaling", "behavior", direction)
     assert {k: props[k]["default"] for k in want if k not in given} == {k: v for k, v in want.items()
                                                                        if k not in given}
+
+
+@pytest.mark.parametrize("q", ["1", "500m", "1500m", "1.5", 2, "2", "0.1", "100m", "4k", "1e3", "250u"])
+def test_cpu_threads_rounds_the_request_up_as_the_kubernetes_client_parses_it(q):
+    """One quantity parser (worker/api/config.py) for threads too, agreeing with the Kubernetes client's."""
+    import math
+
+    from kubernetes.utils.quantity import parse_quantity as k8s_parse
+
+    from tandem.worker.api.config import cpu_threads
+    assert cpu_threads(q) == max(1, math.ceil(k8s_parse(q)))
+
+
+def test_cpu_threads_of_no_request_or_a_bad_one():
+    from tandem.worker.api.config import cpu_threads
+    assert cpu_threads(None) is None
+    with pytest.raises(ValueError):
+        cpu_threads("two cores")

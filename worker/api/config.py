@@ -72,6 +72,21 @@ def parse_quantity(q: Union[str, int, float]) -> int:
     return i + 1 if d > i else i
 
 
+def cpu_threads(requests_cpu) -> int | None:
+    """Torch intra-op threads for a worker that requests ``requests_cpu`` (a Kubernetes quantity such
+    as ``"1"``, ``"500m"`` or ``2``): the request rounded up, at least 1; None when no request is set
+    (torch's default, one thread per core it may run on). Whoever starts the worker passes it in
+    :data:`tandem.worker.api.names.CPU_THREADS_ENV`.
+
+    Why the request: torch's default counts the cores in the process's affinity mask, not its share, so
+    workers that share cores (the local fleet's, or pods on one node) each start one thread per core and
+    preempt each other inside every matmul (docs/cpu.md has the measurement). Raises ValueError for a
+    quantity Kubernetes would not accept."""
+    if requests_cpu is None:
+        return None
+    return max(1, parse_quantity(requests_cpu))
+
+
 def _to_quantity_str(v: Any) -> Any:
     if isinstance(v, bool):
         return v  # let the str check fail

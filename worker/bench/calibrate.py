@@ -1,5 +1,5 @@
 """``tandem bench calibrate``: measure a running worker over HTTP and fit the performance model of
-:mod:`tandem.worker.bench.calibration`.
+:mod:`tandem.worker.api.calibration`.
 
 - Prefill: the TTFT of 1-token completions whose prompts are fresh random token ids (no cache hits),
   and of prompts that start with a prefix sent just before (so its full blocks are cached).
@@ -29,7 +29,7 @@ import aiohttp
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from tandem.worker.bench.calibration import Calibration, fit
+from tandem.worker.api.calibration import Calibration, fit
 from tandem.worker.bench.client import RequestRecord, Target, send
 from tandem.worker.bench.datasets import BenchRequest
 

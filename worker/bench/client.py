@@ -56,7 +56,7 @@ class RequestRecord:
 
     @property
     def tpot(self) -> float | None:
-        """(E2E - TTFT) / (output tokens - 1), only with at least 2 output tokens (DESIGN.md)."""
+        """(E2E - TTFT) / (output tokens - 1), only with at least 2 output tokens (docs/architecture.md)."""
         if not self.ok or not self.completion_tokens or self.completion_tokens < 2 or self.ttft is None:
             return None
         return (self.e2e - self.ttft) / (self.completion_tokens - 1)

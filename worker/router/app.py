@@ -23,7 +23,7 @@ from tandem.worker.api.http import (DEFAULT_MAX_REQUEST_BYTES, PREFILL_PEER_HEAD
                                     openai_app)
 from tandem.worker.api.openai import max_prompt_chars, read_request_async
 from tandem.worker.router.policy import WorkerState, decide, pick_decode
-from tandem.worker.server.metrics import Metrics, TokenTimer
+from tandem.worker.api.metrics import Metrics, TokenTimer
 
 log = logging.getLogger(__name__)
 

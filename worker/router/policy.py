@@ -1,8 +1,8 @@
 """The router's choices, as pure functions over what it knows of each worker.
 
 - Decode: the least-loaded ready decode worker (fewest requests in flight, then most free KV blocks).
-- Remote or local prefill (DESIGN.md, step 5): local when the prompt is shorter than
-  ``remotePrefillMinTokens``, when the chosen decode worker already caches at least half of the
+- Remote or local prefill (docs/architecture.md, "One request, end to end"): local when the prompt is
+  shorter than ``remotePrefillMinTokens``, when the chosen decode worker already caches at least half of the
   prompt's blocks, or when no ready prefill worker reports the decode worker's model fingerprint
   (different content, dtype or quantization: their KV would not mean the same); remote otherwise.
 - Prefill: prefix affinity within a load bound. Among prefill workers whose load is within

@@ -22,7 +22,7 @@ from tandem.worker.api.openai import max_prompt_chars, read_request_async
 from tandem.worker.api.sampling import faults_enabled
 from tandem.worker.engine.async_engine import AsyncEngine, EngineDead
 from tandem.worker.engine.sequence import SamplingParams
-from tandem.worker.server.metrics import Metrics, TokenTimer
+from tandem.worker.api.metrics import Metrics, TokenTimer
 from tandem.worker.server.responses import ResponseBuilder
 from tandem.worker.transfer import remote_prefill
 from tandem.worker.transfer.tcp import KVTransferServer

@@ -1,4 +1,4 @@
-"""The decode worker's side of a disaggregated request (DESIGN.md, "One request, end to end").
+"""The decode worker's side of a disaggregated request (docs/architecture.md, "One request, end to end").
 
 The decode worker owns the request: it reserves KV blocks, pulls the prompt's KV from the named
 prefill worker into them, and then decodes. If the prefill worker is unreachable, refuses, or the

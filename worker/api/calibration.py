@@ -1,5 +1,10 @@
 """The performance model the simulator and the autoscaler read: fitted formulas, versioned YAML.
 
+The contract between ``tandem bench calibrate``, which fits it against a running worker
+(worker/bench/calibrate.py), and the autoscaler and the simulator, which predict latencies from it
+(operator/autoscaler/capacity.py); each formula is written once, here, as a function of its
+coefficients that takes floats or numpy arrays alike.
+
 Formulas (seconds; fitted by non-negative least squares, scipy.optimize.nnls, so every term keeps its
 physical sign):
 - ``prefill``: a + b*n + c*n^2 + d*n*k, n = prompt tokens computed, k = cached-prefix tokens (the n*k
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import yaml
@@ -25,31 +31,47 @@ API_VERSION = "bench.tandem.dev/v1"
 KIND = "Calibration"
 
 
+def prefill_formula(coef, n, k):
+    """Prefill seconds of ``n`` computed prompt tokens over ``k`` cached ones: a + b*n + c*n^2 + d*n*k."""
+    a, b, c, d = coef
+    return a + b * n + c * n * n + d * n * k
+
+
+def decode_step_formula(coef, batch, context):
+    """Seconds of one decode step of ``batch`` sequences of ``context`` KV tokens each:
+    d + g*(batch>1) + e*batch + f*batch*context."""
+    d, g, e, f = coef
+    return d + g * (batch > 1) + e * batch + f * batch * context
+
+
+def kv_transfer_formula(coef, nbytes):
+    """Seconds the decode worker waits for ``nbytes`` of remote KV: g + h*bytes."""
+    g, h = coef
+    return g + h * nbytes
+
+
 @dataclass(frozen=True)
 class Formula:
     name: str
     text: str
     inputs: tuple[str, ...]
     coefficients: tuple[str, ...]
+    value: Callable    # value(coef, *inputs): the formula itself, linear in its coefficients
 
     def terms(self, x: np.ndarray) -> np.ndarray:
-        """The design matrix (one column per coefficient) for inputs ``x`` of shape (points, inputs)."""
+        """The design matrix (one column per coefficient) for inputs ``x`` of shape (points, inputs):
+        column i is the formula evaluated with coefficient i set to 1 and the others to 0."""
         x = np.atleast_2d(np.asarray(x, dtype=float))
-        one = np.ones(len(x))
-        if self.name == "prefill":
-            n, k = x[:, 0], x[:, 1]
-            return np.column_stack([one, n, n * n, n * k])
-        if self.name == "decode_step":
-            b, c = x[:, 0], x[:, 1]
-            return np.column_stack([one, (b > 1).astype(float), b, b * c])
-        return np.column_stack([one, x[:, 0]])
+        cols = [x[:, i] for i in range(x.shape[1])]
+        unit = np.eye(len(self.coefficients))
+        return np.column_stack([np.broadcast_to(self.value(u, *cols), (len(x),)) for u in unit])
 
 
 FORMULAS = {
-    "prefill": Formula("prefill", "a + b*n + c*n^2 + d*n*k", ("n", "k"), ("a", "b", "c", "d")),
+    "prefill": Formula("prefill", "a + b*n + c*n^2 + d*n*k", ("n", "k"), ("a", "b", "c", "d"), prefill_formula),
     "decode_step": Formula("decode_step", "d + g*(batch>1) + e*batch + f*batch*context", ("batch", "context"),
-                           ("d", "g", "e", "f")),
-    "kv_transfer": Formula("kv_transfer", "g + h*bytes", ("bytes",), ("g", "h")),
+                           ("d", "g", "e", "f"), decode_step_formula),
+    "kv_transfer": Formula("kv_transfer", "g + h*bytes", ("bytes",), ("g", "h"), kv_transfer_formula),
 }
 
 

@@ -1,4 +1,4 @@
-"""Prometheus metrics in vLLM's style with the ``tandem:`` prefix; every series carries role and pool.
+"""The Prometheus metrics of the router and the workers, in vLLM's style with the ``tandem:`` prefix; every series carries role and pool.
 
 Latency histograms are observed by the server (or the router, with role="router"). Engine counters
 and gauges are read from the engine at scrape time, so the engine keeps one set of numbers.
@@ -11,6 +11,19 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from tandem.worker.api.auth import ENDPOINTS
+
+# The names the autoscaler reads (operator/autoscaler/pods_source.py, prometheus_source.py); counters
+# are exposed with a ``_total`` suffix and histograms as ``_bucket``, ``_sum`` and ``_count``.
+TTFT = "tandem:time_to_first_token_seconds"
+TPOT = "tandem:request_time_per_output_token_seconds"
+E2E = "tandem:e2e_request_latency_seconds"
+ROUTING_DECISIONS = "tandem:router_routing_decisions"
+ROUTER_QUEUED = "tandem:router_queued_requests"
+PROMPT_TOKENS_COMPUTED = "tandem:prompt_tokens_computed"
+GENERATION_TOKENS = "tandem:generation_tokens"
+RUNNING = "tandem:num_requests_running"
+WAITING = "tandem:num_requests_waiting"
+KV_USAGE = "tandem:kv_cache_usage_perc"
 
 # The autoscaler reads percentiles from these buckets (linear interpolation inside a bucket, as
 # Prometheus' histogram_quantile does), so between 20 ms and 2 s (TTFT) and 10 ms and 0.3 s (TPOT), where
@@ -48,17 +61,17 @@ class Metrics:
             return Histogram(name, doc, names, buckets=buckets, registry=r).labels(**self.labels)
 
         if role == "router":   # by prefill place: the prefill pool's SLO is the TTFT of remote prefills
-            ttft = Histogram("tandem:time_to_first_token_seconds", "Time to first token (s), by where the "
+            ttft = Histogram(TTFT, "Time to first token (s), by where the "
                              "prompt was prefilled (remote: a prefill worker; local: the decode worker).",
                              names + ["prefill"], buckets=TTFT_BUCKETS, registry=r)
             self.ttft_by_place = {p: ttft.labels(**self.labels, prefill=p) for p in PREFILL_PLACES}
             self.ttft = self.ttft_by_place["local"]
         else:
-            self.ttft = hist("tandem:time_to_first_token_seconds", "Time to first token (s).", TTFT_BUCKETS)
+            self.ttft = hist(TTFT, "Time to first token (s).", TTFT_BUCKETS)
         self.itl = hist("tandem:inter_token_latency_seconds", "Gap between consecutive tokens (s).", TPOT_BUCKETS)
-        self.tpot = hist("tandem:request_time_per_output_token_seconds",
+        self.tpot = hist(TPOT,
                          "(E2E - TTFT) / (output tokens - 1) per request (s).", TPOT_BUCKETS)
-        self.e2e = hist("tandem:e2e_request_latency_seconds", "Request latency (s).", E2E_BUCKETS)
+        self.e2e = hist(E2E, "Request latency (s).", E2E_BUCKETS)
         self.queue_time = hist("tandem:request_queue_time_seconds", "Arrival to first scheduling (s).", TTFT_BUCKETS)
         self.prefill_time = hist("tandem:request_prefill_time_seconds", "First scheduling to first token (s).",
                                  TTFT_BUCKETS)
@@ -68,9 +81,9 @@ class Metrics:
                                          names + ["direction"], registry=r)
         self.requests = Counter("tandem:request_success", "Finished requests by finish reason.",
                                 names + ["finished_reason"], registry=r)
-        self.routing = Counter("tandem:router_routing_decisions", "Router decisions and why.",
+        self.routing = Counter(ROUTING_DECISIONS, "Router decisions and why.",
                                names + ["decision"], registry=r)
-        self.router_queued = Gauge("tandem:router_queued_requests", "Requests the router holds for lack of "
+        self.router_queued = Gauge(ROUTER_QUEUED, "Requests the router holds for lack of "
                                    "a ready worker.", names, registry=r).labels(**self.labels)
         self.auth_failures = Counter("tandem:auth_failures", "Requests and KV transfers refused for want of "
                                      "a valid API key, pool token or KV handshake proof.",
@@ -148,9 +161,9 @@ class _EngineCollector:
             return m
 
         yield counter("tandem:prompt_tokens", "Prompt tokens received.", st.prompt_tokens)
-        yield counter("tandem:prompt_tokens_computed", "Prompt tokens this worker ran through the model.",
+        yield counter(PROMPT_TOKENS_COMPUTED, "Prompt tokens this worker ran through the model.",
                       st.prompt_tokens_computed)
-        yield counter("tandem:generation_tokens", "Tokens generated.", st.generation_tokens)
+        yield counter(GENERATION_TOKENS, "Tokens generated.", st.generation_tokens)
         yield counter("tandem:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                       bm.prefix_queries)
         yield counter("tandem:prefix_cache_hits", "Prompt tokens found in the prefix cache.", bm.prefix_hits)
@@ -165,8 +178,8 @@ class _EngineCollector:
         for state in ("queued", "awaiting_kv", "receiving_kv", "running"):
             aborts.add_metric(values + [state], st.aborts.get(state, 0))
         yield aborts
-        yield gauge("tandem:num_requests_running", "Sequences in the running batch.", len(e.scheduler.running))
-        yield gauge("tandem:num_requests_waiting", "Sequences queued (or awaiting remote KV).",
+        yield gauge(RUNNING, "Sequences in the running batch.", len(e.scheduler.running))
+        yield gauge(WAITING, "Sequences queued (or awaiting remote KV).",
                     e.scheduler.num_waiting())
-        yield gauge("tandem:kv_cache_usage_perc", "Fraction of KV blocks held by requests (0..1).", bm.usage())
+        yield gauge(KV_USAGE, "Fraction of KV blocks held by requests (0..1).", bm.usage())
         yield gauge("tandem:kv_cache_free_blocks", "KV blocks free or cached-free.", bm.num_free_blocks)
