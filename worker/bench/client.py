@@ -88,8 +88,9 @@ class Target:
     api_key: str | None = None      # sent as Authorization: Bearer (docs/security.md)
     headers: dict = field(default_factory=dict)   # more request headers (the chaos soak's pool token)
     #: send again, for up to this many seconds after the first send, a request whose connection failed
-    #: before any answer (refused, or closed before the response's head), as OpenAI's SDK retries
-    #: connection errors: a restarting router (the chaos soak) loses no request that it never saw begin
+    #: before any answer (refused, or closed before the response's head) or that got a 503, as OpenAI's
+    #: SDK retries connection errors and 5xx: a restarting router (the chaos soak) loses no request that
+    #: it never saw begin
     resend_s: float = 0.0
 
     @property
@@ -125,13 +126,13 @@ async def send(session: aiohttp.ClientSession, target: Target, req: BenchRequest
                history: list[dict] | None = None) -> RequestRecord:
     """Send ``req`` now and fill ``rec`` as the stream arrives. Never raises for a server's fault:
     failures become ``rec.status == "error"`` with an ``error_kind``. ``target.resend_s`` > 0 sends
-    again (after 0.5 s) a request whose connection failed before any answer, within that many seconds
+    again (after 0.5 s) a request whose connection failed before any answer, or that got a 503, within that many seconds
     of the first send and within ``target.timeout``."""
     rec.send_mono, rec.send_unix = time.monotonic(), time.time()
     while True:
         await _send_once(session, target, req, rec, history)
         waited = time.monotonic() - rec.send_mono
-        if rec.ok or rec.error_kind not in ("connect", "disconnected") or waited + 0.5 > min(target.resend_s,
+        if rec.ok or rec.error_kind not in ("connect", "disconnected", "http_503") or waited + 0.5 > min(target.resend_s,
                                                                                                 target.timeout):
             return rec
         rec.resends += 1
