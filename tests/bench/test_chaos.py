@@ -2,6 +2,7 @@
 decode workers, autoscaled, and the router) under an open-loop load for 45 s, with one fault of each
 kind (kill -9 of a decode worker, of a prefill worker, of the router; a worker stopped for 10 s; the
 KV connections cut). The longer soak's table is in bench/RESULTS.md (tenth session)."""
+import json
 import sys
 
 import pytest
@@ -25,7 +26,7 @@ def test_chaos_soak_fails_only_begun_streams_and_leaks_nothing(tmp_path):
                       deadline_s=90, seed=1, output_dir=str(tmp_path))
     s = run_chaos(cfg, log=sys.stderr)
     bad = [r for r in s["records"] if r["class"] not in ("ok", *UNAVOIDABLE)]
-    assert not bad, bad
+    assert not bad, json.dumps({"bad": bad, "faults": s["fault_log"]}, indent=1)
     assert s["hung"] == 0 and s["failed_other"] == 0
     assert s["leaked_workers"] == [], s["idle"]
     assert s["faults"] == {k: 1 for k in FAULT_KINDS}, s["fault_log"]

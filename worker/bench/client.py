@@ -197,7 +197,9 @@ async def _send_once(session: aiohttp.ClientSession, target: Target, req: BenchR
         return rec.fail("timeout", f"no answer within {target.timeout} s")
     except aiohttp.ClientConnectorError as e:
         return rec.fail("connect", str(e))
-    except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError) as e:
+    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as e:
+        # before the head: nothing came back (a reused connection reset, the server gone), so the
+        # request may be sent again (``Target.resend_s``)
         return rec.fail("incomplete" if head else "disconnected", f"{type(e).__name__}: {e}")
     except aiohttp.ClientError as e:
         return rec.fail("client_error", f"{type(e).__name__}: {e}")
