@@ -19,6 +19,28 @@ def test_fault_schedule_is_seeded_and_meets_every_kind():
     assert sorted(k for _, k in a[:5]) == sorted(FAULT_KINDS)     # each round is every kind once
 
 
+def test_client_sends_again_what_never_reached_a_server():
+    """A refused connection (a router restarting) is sent again every 0.5 s within Target.resend_s,
+    then reported; without resend_s it is reported at once."""
+    import asyncio
+
+    import aiohttp
+
+    from tandem.operator.local import free_port
+    from tandem.worker.bench.client import RequestRecord, Target, send
+    from tandem.worker.bench.datasets import BenchRequest
+
+    async def one(resend_s):
+        req = BenchRequest("r0", [{"role": "user", "content": "hi"}], 1, 4)
+        rec = RequestRecord("r0", None, 0, False, None)
+        async with aiohttp.ClientSession() as s:
+            return await send(s, Target(f"http://127.0.0.1:{free_port()}", "m", resend_s=resend_s, timeout=10), req, rec)
+    again, once = asyncio.run(one(1.6)), asyncio.run(one(0))
+    assert again.error_kind == once.error_kind == "connect"
+    assert again.resends >= 2 and once.resends == 0
+    assert 1.0 <= again.e2e < 3.0
+
+
 @pytest.mark.timeout(600)
 def test_chaos_soak_fails_only_begun_streams_and_leaks_nothing(tmp_path):
     cfg = ChaosConfig(str(example_manifest(name="chaos")), str(ROOT / "bench/calibrations/smollm2-cpu.yaml"),

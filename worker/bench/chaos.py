@@ -219,7 +219,7 @@ def cut_connections(ports: list[int], seconds: float) -> int:
     return n
 
 
-def classify(rec, faults: list[Fault], router_url_prefix: str) -> str:
+def classify(rec, faults: list[Fault]) -> str:
     """The class of one request (see the module docstring) from its record and the faults."""
     if rec.ok:
         return "ok"
@@ -396,7 +396,7 @@ def run_chaos(cfg: ChaosConfig, log=None) -> dict:
                                                  rec.served_by.get("X-Tandem-Prefill-Worker")),
                    "faults": [f"{f.id}:{f.kind}" for f in injector.faults
                               if f.active(rec.send_unix, rec.send_unix + (rec.e2e or 0.0))],
-                   "class": classify(rec, injector.faults, fleet.endpoint)}
+                   "class": classify(rec, injector.faults)}
             records.append(row)
         summary = summarize(records, injector.faults, idle, cfg, rate, capacity, elapsed)
         summary["fault_log"] = [asdict(f) for f in injector.faults]

@@ -38,7 +38,8 @@ class RequestRecord:
     prompt_tokens: int | None = None        # from the server's usage
     completion_tokens: int | None = None    # from the server's usage
     status: str = "ok"                      # ok | error
-    error_kind: str | None = None           # http_<code> | stream_error | incomplete | no_usage | connect | timeout | ...
+    # http_<code> | stream_error | incomplete | disconnected | no_usage | connect | timeout | ...
+    error_kind: str | None = None
     error: str | None = None
     text: str = ""
     served_by: dict = field(default_factory=dict)   # the router's X-Tandem-*-Worker headers, when it sends them
@@ -72,6 +73,10 @@ class RequestRecord:
         self.status, self.error_kind, self.error = "error", kind, msg[:500]
         self.end_mono = self.end_mono or time.monotonic()
         return self
+
+
+#: failures after which nothing came back, so a request may be sent again (``Target.resend_s``)
+RESENDABLE = ("connect", "disconnected", "http_503")
 
 
 @dataclass
@@ -132,8 +137,7 @@ async def send(session: aiohttp.ClientSession, target: Target, req: BenchRequest
     while True:
         await _send_once(session, target, req, rec, history)
         waited = time.monotonic() - rec.send_mono
-        if rec.ok or rec.error_kind not in ("connect", "disconnected", "http_503") or waited + 0.5 > min(target.resend_s,
-                                                                                                target.timeout):
+        if rec.ok or rec.error_kind not in RESENDABLE or waited + 0.5 > min(target.resend_s, target.timeout):
             return rec
         rec.resends += 1
         rec.status, rec.error_kind, rec.error, rec.end_mono = "ok", None, None, None
