@@ -5,10 +5,10 @@ An open-loop Poisson load at ``--load-fraction`` of the fleet's capacity (from a
 two replicas each, so that a fault leaves a peer to retry on). Every ``--fault-every`` seconds one fault
 from a seeded schedule (:func:`fault_schedule`: rounds, each a shuffle of the kinds) is injected:
 
-- ``kill_decode`` / ``kill_prefill``: ``kill -9`` of a ready worker of that role (the autoscaler
-  replaces it: its minReplicas);
-- ``kill_router``: ``kill -9`` of the router, started again at once as a supervisor would (the client
-  sends again what failed before any answer, as OpenAI's SDK retries connection errors);
+- ``kill_decode`` / ``kill_prefill``: ``kill -9`` of a ready worker of that role (the fleet's
+  supervisor restarts it on its port, :meth:`tandem.operator.local.LocalFleet.supervise`);
+- ``kill_router``: ``kill -9`` of the router, restarted the same way (the client sends again what
+  failed before any answer, as OpenAI's SDK retries connection errors);
 - ``stop_worker``: ``SIGSTOP`` of a ready worker for ``--stop-seconds``, then ``SIGCONT`` (a hung peer);
 - ``cut_kv``: every KV-transfer TCP connection of the prefill workers cut (``ss -K``, the kernel's
   socket destroy) for ``--cut-seconds``.
@@ -153,9 +153,14 @@ class Injector:
         elif kind == "kill_router":
             router = next(p for p in self.fleet.procs if p.role == "router")
             f.target, f.url = router.name, router.url
-            os.kill(router.popen.pid, signal.SIGKILL)
-            router.popen.wait()
-            self.fleet.start_router(timeout=120)
+            killed = router.popen
+            os.kill(killed.pid, signal.SIGKILL)
+            killed.wait()
+            # the fleet's supervisor (LocalFleet.supervise) starts it again on its port, as a kubelet
+            # restarts a container
+            t_end = time.monotonic() + 300
+            while not (router.popen is not killed and router.state == "ready") and time.monotonic() < t_end:
+                time.sleep(0.2)
             f.until = time.time()
         elif kind == "stop_worker":
             # a decode worker only while another is ready: a stream has nowhere else to go, and a pool
