@@ -127,7 +127,7 @@ def test_request_on_a_stopped_prefill_worker_is_prefilled_elsewhere(fleet):
 def test_stream_on_a_killed_decode_worker_ends_with_an_error_event(fleet):
     """kill -9 of the decode worker while it streams: the client gets an SSE error event in OpenAI's
     format (and no hang), counted in tandem:router_stream_errors_total by reason. Before the fix the
-    stream just stopped, without [DONE] or an error. (Last in this file: it leaves one decode worker.)"""
+    stream just stopped, without [DONE] or an error. (Last in this file: the worker restarts.)"""
     before = metric(fleet.endpoint, "tandem:router_stream_errors_total", reason="decode_worker_lost")
     r = requests.post(fleet.endpoint + "/v1/completions", stream=True, timeout=60, json={
         "model": MODEL, "prompt": "Once upon a time", "max_tokens": 1000, "ignore_eos": True, "stream": True})

@@ -37,7 +37,7 @@ import tempfile
 import threading
 import time
 import urllib.request
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import yaml
@@ -296,7 +296,6 @@ class ChaosConfig:
     autoscale_window_s: float = 20.0
     autoscale_interval_s: float = 2.0
     output_dir: str | None = None
-    extra: dict = field(default_factory=dict)
 
 
 def summarize(records: list[dict], faults: list[Fault], idle: list[dict], cfg: ChaosConfig, rate: float,
