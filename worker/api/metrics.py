@@ -85,6 +85,14 @@ class Metrics:
                                names + ["decision"], registry=r)
         self.router_queued = Gauge(ROUTER_QUEUED, "Requests the router holds for lack of "
                                    "a ready worker.", names, registry=r).labels(**self.labels)
+        self.router_stream_errors = Counter(
+            "tandem:router_stream_errors", "Streams the router ended with an SSE error event after they had "
+            "begun, by reason (decode_worker_lost: the decode worker's connection broke; decode_worker_timeout: "
+            "it sent nothing for the stream idle timeout).", names + ["reason"], registry=r)
+        self.router_retries = Counter(
+            "tandem:router_retries", "Requests the router sent again, before their first token, to another "
+            "worker, by reason (unreachable, draining, hung: a worker stopped answering its health checks).",
+            names + ["reason"], registry=r)
         self.auth_failures = Counter("tandem:auth_failures", "Requests and KV transfers refused for want of "
                                      "a valid API key, pool token or KV handshake proof.",
                                      names + ["endpoint"], registry=r)
@@ -102,6 +110,10 @@ class Metrics:
             for decision in ("remote", "short_prompt", "decode_cached", "no_prefill_worker", "model_mismatch",
                              "absorb_burst"):
                 self.routing.labels(**self.labels, decision=decision)
+            for reason in ("decode_worker_lost", "decode_worker_timeout"):
+                self.router_stream_errors.labels(**self.labels, reason=reason)
+            for reason in ("unreachable", "draining", "hung"):
+                self.router_retries.labels(**self.labels, reason=reason)
         if engine is not None:
             r.register(_EngineCollector(engine, self.labels))
 

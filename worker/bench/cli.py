@@ -1,4 +1,4 @@
-"""``tandem bench serve | compare | calibrate | trace``."""
+"""``tandem bench serve | compare | calibrate | trace | chaos``."""
 from __future__ import annotations
 
 import asyncio
@@ -195,3 +195,5 @@ def add_bench_commands(sub) -> None:
         add_trace_command(bsub)
     except ImportError:
         pass
+    from tandem.worker.bench.chaos import add_chaos_command
+    add_chaos_command(bsub)

@@ -38,9 +38,12 @@ class RequestRecord:
     prompt_tokens: int | None = None        # from the server's usage
     completion_tokens: int | None = None    # from the server's usage
     status: str = "ok"                      # ok | error
-    error_kind: str | None = None           # http_<code> | stream_error | incomplete | no_usage | connect | timeout | ...
+    # http_<code> | stream_error | incomplete | disconnected | no_usage | connect | timeout | ...
+    error_kind: str | None = None
     error: str | None = None
     text: str = ""
+    served_by: dict = field(default_factory=dict)   # the router's X-Tandem-*-Worker headers, when it sends them
+    resends: int = 0                        # times sent again after the connection failed before any answer
 
     @property
     def ok(self) -> bool:
@@ -72,6 +75,10 @@ class RequestRecord:
         return self
 
 
+#: failures after which nothing came back, so a request may be sent again (``Target.resend_s``)
+RESENDABLE = ("connect", "disconnected", "http_503")
+
+
 @dataclass
 class Target:
     """Where and how to send: ``endpoint`` is ``chat`` (/v1/chat/completions) or ``completions``."""
@@ -84,6 +91,12 @@ class Target:
     timeout: float = 600.0
     extra_body: dict = field(default_factory=dict)
     api_key: str | None = None      # sent as Authorization: Bearer (docs/security.md)
+    headers: dict = field(default_factory=dict)   # more request headers (the chaos soak's pool token)
+    #: send again, for up to this many seconds after the first send, a request whose connection failed
+    #: before any answer (refused, or closed before the response's head) or that got a 503, as OpenAI's
+    #: SDK retries connection errors and 5xx: a restarting router (the chaos soak) loses no request that
+    #: it never saw begin
+    resend_s: float = 0.0
 
     @property
     def url(self) -> str:
@@ -117,16 +130,34 @@ def _content(chunk: dict) -> str:
 async def send(session: aiohttp.ClientSession, target: Target, req: BenchRequest, rec: RequestRecord,
                history: list[dict] | None = None) -> RequestRecord:
     """Send ``req`` now and fill ``rec`` as the stream arrives. Never raises for a server's fault:
-    failures become ``rec.status == "error"`` with an ``error_kind``."""
+    failures become ``rec.status == "error"`` with an ``error_kind``. ``target.resend_s`` > 0 sends
+    again (after 0.5 s) a request whose connection failed before any answer, or that got a 503, within that many seconds
+    of the first send and within ``target.timeout``."""
+    rec.send_mono, rec.send_unix = time.monotonic(), time.time()
+    while True:
+        await _send_once(session, target, req, rec, history)
+        waited = time.monotonic() - rec.send_mono
+        if rec.ok or rec.error_kind not in RESENDABLE or waited + 0.5 > min(target.resend_s, target.timeout):
+            return rec
+        rec.resends += 1
+        rec.status, rec.error_kind, rec.error, rec.end_mono = "ok", None, None, None
+        await asyncio.sleep(0.5)
+
+
+async def _send_once(session: aiohttp.ClientSession, target: Target, req: BenchRequest, rec: RequestRecord,
+                     history: list[dict] | None = None) -> RequestRecord:
     rec.prompt_tokens_asked, rec.output_tokens_asked = req.prompt_tokens, req.output_tokens
     body = target.body(req, history)
-    rec.send_mono, rec.send_unix = time.monotonic(), time.time()
+    head = False   # the response's head arrived
     try:
-        headers = {"X-Bench-Request-Id": rec.id}
+        headers = {"X-Bench-Request-Id": rec.id, **target.headers}
         if target.api_key:
             headers["Authorization"] = f"Bearer {target.api_key}"
+        left = target.timeout - (time.monotonic() - rec.send_mono)
         async with session.post(target.url, json=body, headers=headers,
-                                timeout=aiohttp.ClientTimeout(total=target.timeout)) as r:
+                                timeout=aiohttp.ClientTimeout(total=left)) as r:
+            head = True
+            rec.served_by = {k: v for k, v in r.headers.items() if k.startswith("X-Tandem-") and k.endswith("-Worker")}
             if r.status != 200:
                 return rec.fail(f"http_{r.status}", (await r.text())[:500])
             done, usage, parts = False, None, []
@@ -170,8 +201,10 @@ async def send(session: aiohttp.ClientSession, target: Target, req: BenchRequest
         return rec.fail("timeout", f"no answer within {target.timeout} s")
     except aiohttp.ClientConnectorError as e:
         return rec.fail("connect", str(e))
-    except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError) as e:
-        return rec.fail("incomplete", f"{type(e).__name__}: {e}")
+    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as e:
+        # before the head: nothing came back (a reused connection reset, the server gone), so the
+        # request may be sent again (``Target.resend_s``)
+        return rec.fail("incomplete" if head else "disconnected", f"{type(e).__name__}: {e}")
     except aiohttp.ClientError as e:
         return rec.fail("client_error", f"{type(e).__name__}: {e}")
     except json.JSONDecodeError as e:

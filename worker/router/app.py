@@ -5,10 +5,17 @@ It tokenizes each prompt, hashes its blocks, picks a decode worker and (maybe) a
 peer named in a header. It measures TTFT, TPOT and ITL as the client sees them (role="router"),
 retries another decode worker when one cannot be reached, and polls the workers' health so a
 draining or dead worker drops out of routing.
+
+Faults (docs/serving.md, "Faults"): a request that has not had its first token when its decode or
+prefill worker dies or stops answering (``HUNG_POLLS`` health polls in a row without an answer: a
+stopped process) is sent again to another worker; a stream that has begun and whose decode worker's
+connection breaks, or that gets nothing for ``stream_idle_timeout`` seconds, ends with an SSE error
+event in OpenAI's format, counted in ``tandem:router_stream_errors_total`` by reason.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -18,7 +25,7 @@ from aiohttp import web
 
 from tandem.worker.api import auth
 from tandem.worker.api.block_hash import block_hashes
-from tandem.worker.api.errors import InvalidRequestError
+from tandem.worker.api.errors import InvalidRequestError, error_body
 from tandem.worker.api.http import (DEFAULT_MAX_REQUEST_BYTES, PREFILL_PEER_HEADER, TTFT_HEADER, json_error,
                                     openai_app)
 from tandem.worker.api.openai import max_prompt_chars, read_request_async
@@ -26,6 +33,14 @@ from tandem.worker.router.policy import WorkerState, decide, pick_decode
 from tandem.worker.api.metrics import Metrics, TokenTimer
 
 log = logging.getLogger(__name__)
+
+#: health polls in a row without an answer after which a worker counts as hung: a request waiting for
+#: its first token there is sent elsewhere (a poll times out after 2 s, so about 2-6 s after the stop)
+HUNG_POLLS = 2
+#: response headers naming the workers that served a request, for the pool's own tools (the chaos
+#: soak, worker/bench/chaos.py): sent only to a caller with the pool token, or by an open pool
+DECODE_WORKER_HEADER = "X-Tandem-Decode-Worker"
+PREFILL_WORKER_HEADER = "X-Tandem-Prefill-Worker"
 
 _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding"}
 
@@ -52,6 +67,9 @@ class Router:
         max_model_len: the pool's context length in tokens, when the spec sets it: longer prompts are
             refused by their length in characters before tokenizing (the workers check tokens).
         max_request_bytes: the largest request body accepted (413 above it).
+        stream_idle_timeout: seconds a begun stream may go without a byte from its decode worker before
+            the router ends it with an error event (longer than a worker's 20 s stop in the chaos soak,
+            which such streams then survive).
         api_keys: the client API keys accepted (``Authorization: Bearer``), or None: open.
         pool_secret: the pool's shared secret, proved to the workers (``X-Tandem-Pool-Token``).
     """
@@ -61,7 +79,8 @@ class Router:
                  routing: str = "prefix-affinity", health_interval: float = 1.0, queue_timeout: float = 300.0,
                  max_model_len: int | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                  api_keys: auth.KeyStore | None = None, pool_secret: bytes | None = None,
-                 ready_without_workers: bool = False, unavailable_timeout: float = 5.0):
+                 ready_without_workers: bool = False, unavailable_timeout: float = 5.0,
+                 stream_idle_timeout: float = 60.0):
         self.model_name, self.tok, self.block_size = model_name, tokenizer, block_size
         self.char_limit = max_prompt_chars(tokenizer, max_model_len) if max_model_len else None
         self.max_request_bytes = max_request_bytes
@@ -73,6 +92,7 @@ class Router:
         self.unavailable_timeout = unavailable_timeout
         self.max_model_len = max_model_len
         self.ready_without_workers = ready_without_workers
+        self.stream_idle_timeout = stream_idle_timeout
         self.metrics = Metrics("router", pool)
         self.api_keys = api_keys
         self.worker_headers = auth.pool_headers(pool_secret)
@@ -136,8 +156,10 @@ class Router:
             if isinstance(info.get("max_model_len"), int):
                 w.max_model_len = info["max_model_len"]
             w.ready = r.status == 200 and not info.get("draining", False)
+            w.failed_polls = 0
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
             w.ready = False
+            w.failed_polls += 1
 
     async def poll_once(self) -> None:
         urls = set(self.discovery.prefill_urls()) | set(self.discovery.decode_urls())
@@ -283,14 +305,25 @@ class Router:
                 with _Load(d) as load:
                     t_send = time.monotonic()
                     try:
-                        upstream = await self.session.post(d.decode.url + path, data=raw, headers=headers)
+                        upstream = await self._post_watched(d, d.decode.url + path, raw, headers)
                     except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
                         log.warning("decode worker %s unreachable (%r); trying another", d.decode.url, e)
+                        self._retried("unreachable")
                         d.decode.ready = False
                         tried.add(d.decode.url)
                         continue
+                    except _WorkerHung as e:
+                        # a stopped decode worker is left for good; a stopped prefill worker is out of
+                        # routing already (not ready), so the same decode worker may take it again
+                        log.warning("%s stopped answering before this request's first token; sending it "
+                                    "again", e.worker.url)
+                        self._retried("hung")
+                        if e.worker is d.decode:
+                            tried.add(d.decode.url)
+                        continue
                     if upstream.status == 503 and len(tried) < len(self.discovery.decode_urls()) - 1:
                         upstream.release()              # draining: try another decode worker
+                        self._retried("draining")
                         d.decode.ready = False
                         tried.add(d.decode.url)
                         continue
@@ -308,12 +341,45 @@ class Router:
                         d.decode.remember(hashes)
                         if d.prefill:
                             d.prefill.remember(hashes)
+                    shown = self._worker_headers(request, d)
                     if req.stream and upstream.status == 200:
                         return await self._relay_stream(request, upstream, t0, client_usage, place, load.release,
-                                                        load.release_prefill)
-                    return await self._relay_full(upstream, t0, t_send, place)
+                                                        load.release_prefill, shown)
+                    resp = await self._relay_full(upstream, t0, t_send, place)
+                    resp.headers.update(shown)
+                    return resp
         finally:
             self.in_flight -= 1
+
+    def _retried(self, reason: str) -> None:
+        self.metrics.router_retries.labels(**self.metrics.labels, reason=reason).inc()
+
+    def _worker_headers(self, request: web.Request, d) -> dict[str, str]:
+        """The workers that serve this request, for a caller with the pool token (or an open pool):
+        worker addresses are the pool's own business."""
+        if auth.pool_only(request, self.pool_secret) is not None:
+            return {}
+        return {DECODE_WORKER_HEADER: d.decode.url, PREFILL_WORKER_HEADER: d.prefill.url if d.prefill else "local"}
+
+    async def _post_watched(self, d, url: str, raw: bytes, headers: dict) -> aiohttp.ClientResponse:
+        """POST the request to its decode worker and wait for the response's head (a worker sends it
+        with the first token), giving up with :class:`_WorkerHung` when the decode or the prefill worker
+        misses ``HUNG_POLLS`` health polls in a row meanwhile. Closing the connection then makes the
+        worker abort the request (and free its blocks) when it next writes to it."""
+        post = asyncio.ensure_future(self.session.post(url, data=raw, headers=headers))
+        try:
+            while True:
+                done, _ = await asyncio.wait({post}, timeout=min(0.5, self.health_interval))
+                if done:
+                    return post.result()
+                for w in (d.decode, d.prefill):
+                    if w is not None and w.failed_polls >= HUNG_POLLS:
+                        raise _WorkerHung(w)
+        finally:
+            if not post.done():
+                post.cancel()
+                with contextlib.suppress(asyncio.CancelledError, aiohttp.ClientError):
+                    await post
 
     async def _relay_full(self, upstream: aiohttp.ClientResponse, t0: float, t_send: float,
                           place: str) -> web.Response:
@@ -336,13 +402,18 @@ class Router:
 
     async def _relay_stream(self, request, upstream: aiohttp.ClientResponse, t0: float,
                             client_usage: bool, place: str, on_last=lambda: None,
-                            on_first=lambda: None) -> web.StreamResponse:
+                            on_first=lambda: None, extra_headers: dict | None = None) -> web.StreamResponse:
         """Relay an SSE stream; ``on_first()`` runs at the first token, ``on_last()`` when the ``[DONE]``
         event arrives, both before the client gets them (the router's count of the workers' load drops
         there: see :class:`_Load`). The request's latencies are observed at ``[DONE]`` too, before the
-        client gets it, so a client that reads the metrics after its stream finds its request counted."""
+        client gets it, so a client that reads the metrics after its stream finds its request counted.
+
+        A stream whose decode worker's connection breaks, or that gets nothing for
+        ``stream_idle_timeout`` seconds, ends with an error event in OpenAI's format (``data:
+        {"error": {...}}``, no ``[DONE]``, as the worker ends a stream whose engine died), counted by
+        reason; its tokens cannot move to another worker, so it is not retried."""
         resp = web.StreamResponse(status=upstream.status, headers={
-            k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS})
+            **{k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS}, **(extra_headers or {})})
         await resp.prepare(request)
         timer, buf, num_tokens = TokenTimer(t0), b"", 0
         observed = False
@@ -353,9 +424,17 @@ class Router:
                 observed = True
                 self.metrics.observe_request(timer.ttft, time.monotonic() - t0, num_tokens, timer.itls,
                                              prefill=place)
+        broken = None   # why the decode worker's stream ended early: a router_stream_errors reason
         async with upstream:
             try:
-                async for chunk in upstream.content.iter_any():
+                while True:
+                    try:
+                        chunk = await asyncio.wait_for(upstream.content.readany(), self.stream_idle_timeout)
+                    except asyncio.TimeoutError:
+                        broken = "decode_worker_timeout"
+                        break
+                    if not chunk:
+                        break
                     buf += chunk
                     *events, buf = buf.split(b"\n\n")
                     out = []
@@ -378,14 +457,36 @@ class Router:
             except (ConnectionResetError, aiohttp.ClientConnectionResetError):
                 log.info("client went away mid-stream")   # leaving closes upstream; the worker aborts
                 return resp
-            except aiohttp.ClientPayloadError as e:
+            except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as e:
                 log.warning("decode worker broke the stream: %r", e)
-                return resp
+                broken = "decode_worker_lost"
+        if broken is not None:
+            return await self._end_broken(resp, broken)
         if buf:
             await resp.write(buf)
         observe()   # a stream without [DONE]
         await resp.write_eof()
         return resp
+
+    async def _end_broken(self, resp: web.StreamResponse, reason: str) -> web.StreamResponse:
+        """End a begun stream whose decode worker failed it: an OpenAI error event, counted."""
+        self.metrics.router_stream_errors.labels(**self.metrics.labels, reason=reason).inc()
+        message = ("the decode worker serving this stream failed mid-stream" if reason == "decode_worker_lost"
+                   else f"the decode worker serving this stream sent nothing for {self.stream_idle_timeout:.0f} s")
+        body = error_body(message, 502, None, "server_error")
+        body["error"]["reason"] = reason
+        with contextlib.suppress(ConnectionResetError, aiohttp.ClientConnectionResetError):
+            await resp.write(b"data: " + json.dumps(body).encode() + b"\n\n")
+            await resp.write_eof()
+        return resp
+
+
+class _WorkerHung(Exception):
+    """A worker a request waits on stopped answering its health checks (``worker``: its WorkerState)."""
+
+    def __init__(self, worker):
+        super().__init__(worker.url)
+        self.worker = worker
 
 
 class _Load:
