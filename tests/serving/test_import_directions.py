@@ -72,12 +72,19 @@ def matches(name: str, prefix: str) -> bool:
     return name == prefix or name.startswith(prefix + ".")
 
 
+#: single files that may cross their folder's rule, and why: the chaos soak owns the fleet it injects
+#: faults into (it starts `tandem up`'s LocalFleet and its autoscaler), unlike the rest of the load
+#: generator, which talks HTTP to any server
+FILE_EXCEPTIONS = {"worker/bench/chaos.py": ("tandem.operator.local", "tandem.operator.autoscaler")}
+
+
 def violations(folder: str, forbidden, allowed) -> list[str]:
     bad = []
     where = ROOT / folder
     for path in sorted(where.rglob("*.py") if where.is_dir() else [where]):
+        exempt = FILE_EXCEPTIONS.get(str(path.relative_to(ROOT)), ())
         for name in sorted(imports_of(path)):
-            if any(matches(name, a) for a in allowed):
+            if any(matches(name, a) for a in (*allowed, *exempt)):
                 continue
             if any(matches(name, f) or (f.endswith(".") and name.startswith(f)) for f in forbidden):
                 bad.append(f"{path.relative_to(ROOT)} imports {name}")

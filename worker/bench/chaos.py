@@ -80,7 +80,7 @@ def chaos_manifest(base: str | Path, min_replicas: int = 2, max_replicas: int = 
 def capacity_rps(calibration, prefill_replicas: int, decode_replicas: int, prompt_tokens: int,
                  output_tokens: int, tpot_s: float) -> float:
     """Requests per second the fleet serves at most (the lower of its two roles), from a calibration
-    (:class:`tandem.worker.bench.calibration.Calibration`): prefill, one prompt at a time per replica;
+    (:class:`tandem.worker.api.calibration.Calibration`): prefill, one prompt at a time per replica;
     decode, each replica running the batch whose step meets ``tpot_s`` (the autoscaler's model,
     :class:`tandem.operator.autoscaler.capacity.PerfModel`)."""
     from tandem.operator.autoscaler.capacity import PerfModel
@@ -341,7 +341,7 @@ def run_chaos(cfg: ChaosConfig, log=None) -> dict:
     summary (``records``: one dict per request, as written to ``requests.jsonl``)."""
     from tandem.operator.autoscaler.fleet_loop import FleetAutoscaler
     from tandem.operator.local import LocalFleet
-    from tandem.worker.bench.calibration import Calibration
+    from tandem.worker.api.calibration import Calibration
     from tandem.worker.bench.client import Target
     from tandem.worker.bench.datasets import random_dataset
     from tandem.worker.bench.runner import LoadShape, run
