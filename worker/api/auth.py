@@ -102,7 +102,7 @@ class KeyStore:
                 self._load()
             except (OSError, AuthConfigError) as e:   # keep the last good set (a Secret mid-update)
                 log.warning("API keys not reloaded: %s", e)
-        p = presented.encode()
+        p = _header_bytes(presented)
         ok = False
         for k in self._keys:
             ok |= hmac.compare_digest(p, k)
@@ -161,10 +161,15 @@ def is_open(request: web.Request) -> bool:
 
 
 def pool_only(request: web.Request, secret: Optional[bytes],
-              on_refused: Optional[Callable[[str], None]] = None) -> Optional[web.Response]:
-    """None when ``request`` carries the pool token of ``secret`` (or the pool has no secret: an open
-    local fleet); otherwise the 401 to send, counted by ``on_refused``. An API key never passes."""
-    if secret is None or _has_token(request, pool_token(secret).encode()):
+              on_refused: Optional[Callable[[str], None]] = None,
+              keys: Optional[KeyStore] = None) -> Optional[web.Response]:
+    """None when ``request`` carries the pool token of ``secret`` (or the process has no credential at
+    all: an open local fleet); otherwise the 401 to send, counted by ``on_refused``. An API key never
+    passes, and a process with API keys but no pool secret refuses every call (nothing could prove
+    to be the pool)."""
+    if secret is None and keys is None:
+        return None
+    if secret is not None and _has_token(request, pool_token(secret).encode()):
         return None
     if on_refused is not None:
         on_refused(request.path if request.path in ENDPOINTS else "other")
@@ -175,7 +180,13 @@ def pool_only(request: web.Request, secret: Optional[bytes],
 def _has_token(request: web.Request, token: bytes) -> bool:
     """Whether ``request`` carries ``token`` in :data:`POOL_TOKEN_HEADER` (constant-time compare)."""
     presented = request.headers.get(POOL_TOKEN_HEADER)
-    return presented is not None and hmac.compare_digest(presented.encode(), token)
+    return presented is not None and hmac.compare_digest(_header_bytes(presented), token)
+
+
+def _header_bytes(value: str) -> bytes:
+    """A header value as the bytes the client sent: aiohttp decodes them as UTF-8 with surrogateescape,
+    so a non-UTF-8 credential must not raise (a 500, uncounted) but compare unequal (a 401, counted)."""
+    return value.encode("utf-8", "surrogateescape")
 
 
 def auth_middleware(keys: Optional[KeyStore], secret: Optional[bytes],

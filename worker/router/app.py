@@ -92,7 +92,7 @@ class Router:
         headroom for the next ``s`` seconds (0 stops), as the autoscaler's decision asks while new
         prefill replicas start (operator/autoscaler/kube_loop.py; the local fleet uses its discovery
         file instead). Bounded to an hour; it lapses by itself, so a dead operator leaves nothing on."""
-        refused = auth.pool_only(request, self.pool_secret, self.metrics.auth_refused)
+        refused = auth.pool_only(request, self.pool_secret, self.metrics.auth_refused, self.api_keys)
         if refused is not None:
             return refused
         try:
