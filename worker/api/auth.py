@@ -65,7 +65,8 @@ def parse_keys(text: str) -> list[str]:
 
 class KeyStore:
     """The accepted API keys, from a literal list and/or a file or folder (re-read every
-    ``reload_seconds``, so a rotated Kubernetes Secret applies without a restart).
+    ``reload_seconds``, so a rotated Kubernetes Secret applies without a restart; a key removed, or
+    the file deleted, is refused from the next reload on).
 
     Raises AuthConfigError when the file or folder is missing or holds no key."""
 
@@ -79,11 +80,18 @@ class KeyStore:
         if not self._keys:
             raise AuthConfigError(f"no API key in {self.path or 'the given list'}")
 
-    def _load(self) -> None:
+    def _load(self, first: bool = True) -> None:
         keys = list(self.literal)
         if self.path is not None:
             if not self.path.exists():
-                raise AuthConfigError(f"API key file {self.path} does not exist")
+                if first:
+                    raise AuthConfigError(f"API key file {self.path} does not exist")
+                # deleted: its keys are revoked (fail closed; a Kubernetes Secret volume swaps its
+                # files atomically, so a mounted folder is never missing mid-update)
+                log.warning("API key file %s is gone: its keys are no longer accepted", self.path)
+                self._keys = [k.encode() for k in keys]
+                self._loaded_at = time.monotonic()
+                return
             files = ([p for p in sorted(self.path.iterdir()) if p.is_file() and not p.name.startswith(".")]
                      if self.path.is_dir() else [self.path])
             for f in files:
@@ -99,8 +107,8 @@ class KeyStore:
         """Whether ``presented`` is one of the keys; every key is compared (constant time each)."""
         if self.path is not None and time.monotonic() - self._loaded_at > self.reload_seconds:
             try:
-                self._load()
-            except (OSError, AuthConfigError) as e:   # keep the last good set (a Secret mid-update)
+                self._load(first=False)
+            except OSError as e:   # unreadable for a moment: keep the last set
                 log.warning("API keys not reloaded: %s", e)
         p = _header_bytes(presented)
         ok = False
