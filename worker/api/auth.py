@@ -9,9 +9,11 @@ Two credentials, checked by one aiohttp middleware (:func:`auth_middleware`):
   Secret takes effect without a restart.
 - **The pool secret**: random bytes every process of one pool shares (the operator's per-pool Secret,
   or a file ``tandem up`` writes). The router proves it to a worker with the header
-  ``X-Tandem-Pool-Token``, which carries ``HMAC-SHA256(secret, "tandem-pool-token-v1")`` rather than
-  the secret itself (the KV transfer handshake, tandem.worker.transfer.tcp, keys its
-  challenge-response on the secret). It comes from ``TANDEM_POOL_SECRET_FILE`` or ``TANDEM_POOL_SECRET``.
+  ``X-Tandem-Pool-Token``: a fresh token per request (time, nonce, HMAC under a key derived from the
+  secret for this purpose only), accepted once within a minute of its time (:class:`TokenVerifier`),
+  so a token seen on the wire cannot be used again. The KV transfer handshake
+  (tandem.worker.transfer.handshake) uses keys of its own, derived from the same secret. It comes from
+  ``TANDEM_POOL_SECRET_FILE`` or ``TANDEM_POOL_SECRET``.
 
 A protected request passes with a valid API key or a valid pool token; with neither credential
 configured the process is open (as before). ``/health``, ``/ready``, ``/metrics`` and ``GET /drain``
@@ -26,7 +28,9 @@ import hmac
 import logging
 import os
 import re
+import secrets
 import time
+from collections import OrderedDict
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -50,7 +54,6 @@ ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/drain", 
 #: paths only the pool may call (the operator's control of a router): the pool token, never an API key;
 #: their handlers check it (:func:`pool_only`), since a router's middleware takes API keys alone
 POOL_ONLY_PATHS = frozenset({"/absorb-bursts"})
-_TOKEN_CONTEXT = b"tandem-pool-token-v1"
 _SPLIT = re.compile(r"[\s,]+")
 
 
@@ -145,13 +148,67 @@ def load_pool_secret(env=os.environ, path: Optional[str] = None) -> Optional[byt
     return data
 
 
-def pool_token(secret: bytes) -> str:
-    """The value of ``X-Tandem-Pool-Token`` for a pool secret: hex HMAC-SHA256 (64 characters)."""
-    return hmac.new(secret, _TOKEN_CONTEXT, hashlib.sha256).hexdigest()
+#: seconds a pool token stays valid either side of its timestamp (clock skew between nodes included)
+TOKEN_WINDOW_SECONDS = 60
+_TOKEN_RE = re.compile(r"(\d{1,12}):([0-9a-f]{32}):([0-9a-f]{64})")
+
+
+def token_key(secret: bytes) -> bytes:
+    """The key pool tokens are made with: HKDF of the pool secret for this purpose alone (not the KV
+    handshake's keys, tandem.worker.transfer.handshake)."""
+    from tandem.worker.transfer.handshake import ROUTER_TOKEN, derive
+    return derive(secret, ROUTER_TOKEN)
+
+
+def pool_token(secret: bytes, now: Optional[float] = None) -> str:
+    """A fresh value of ``X-Tandem-Pool-Token``: ``<unix time>:<128-bit nonce>:<HMAC-SHA256>`` of the
+    first two under :func:`token_key`. Each is accepted once, within ``TOKEN_WINDOW_SECONDS`` of its
+    time (:class:`TokenVerifier`): make one per request."""
+    ts, nonce = str(int(time.time() if now is None else now)), secrets.token_hex(16)
+    return f"{ts}:{nonce}:{hmac.new(token_key(secret), f'{ts}:{nonce}'.encode(), hashlib.sha256).hexdigest()}"
+
+
+class TokenVerifier:
+    """Checks pool tokens: the MAC, the time window, and that the nonce was not seen before (a replay
+    cache holding each nonce until its token expires, at most ``max_entries``, oldest dropped first)."""
+
+    def __init__(self, secret: bytes, window: float = TOKEN_WINDOW_SECONDS, max_entries: int = 1_000_000):
+        self.key, self.window, self.max_entries = token_key(secret), window, max_entries
+        self.seen: "OrderedDict[str, float]" = OrderedDict()
+
+    def check(self, presented: str, now: Optional[float] = None) -> bool:
+        now = time.time() if now is None else now
+        m = _TOKEN_RE.fullmatch(presented)
+        if m is None:
+            return False
+        ts, nonce, mac = m.groups()
+        want = hmac.new(self.key, f"{ts}:{nonce}".encode(), hashlib.sha256).hexdigest()
+        if not hmac.compare_digest(want, mac) or abs(now - int(ts)) > self.window:
+            return False
+        while self.seen and next(iter(self.seen.values())) < now:
+            self.seen.popitem(last=False)
+        if nonce in self.seen:
+            log.warning("a replayed pool token was refused")
+            return False
+        self.seen[nonce] = int(ts) + self.window
+        if len(self.seen) > self.max_entries:
+            self.seen.popitem(last=False)
+        return True
+
+
+_verifiers: dict[bytes, TokenVerifier] = {}
+
+
+def verifier_for(secret: bytes) -> TokenVerifier:
+    """This process's verifier (one replay cache) for a pool secret."""
+    if secret not in _verifiers:
+        _verifiers[secret] = TokenVerifier(secret)
+    return _verifiers[secret]
 
 
 def pool_headers(secret: Optional[bytes]) -> dict[str, str]:
-    """The headers a process of the pool sends to a worker (empty without a secret)."""
+    """The headers a process of the pool sends to a worker (empty without a secret), with a fresh token:
+    call it for every request."""
     return {POOL_TOKEN_HEADER: pool_token(secret)} if secret else {}
 
 
@@ -177,7 +234,7 @@ def pool_only(request: web.Request, secret: Optional[bytes],
     to be the pool)."""
     if secret is None and keys is None:
         return None
-    if secret is not None and _has_token(request, pool_token(secret).encode()):
+    if secret is not None and _has_token(request, verifier_for(secret)):
         return None
     if on_refused is not None:
         on_refused(request.path if request.path in ENDPOINTS else "other")
@@ -185,10 +242,10 @@ def pool_only(request: web.Request, secret: Optional[bytes],
                                         None, "invalid_request_error"), status=401)
 
 
-def _has_token(request: web.Request, token: bytes) -> bool:
-    """Whether ``request`` carries ``token`` in :data:`POOL_TOKEN_HEADER` (constant-time compare)."""
+def _has_token(request: web.Request, verifier: TokenVerifier) -> bool:
+    """Whether ``request`` carries a valid, unused token in :data:`POOL_TOKEN_HEADER`."""
     presented = request.headers.get(POOL_TOKEN_HEADER)
-    return presented is not None and hmac.compare_digest(_header_bytes(presented), token)
+    return presented is not None and verifier.check(presented)
 
 
 def _header_bytes(value: str) -> bytes:
@@ -204,13 +261,13 @@ def auth_middleware(keys: Optional[KeyStore], secret: Optional[bytes],
     Returns None when neither credential is configured (nothing to check)."""
     if keys is None and secret is None:
         return None
-    token = pool_token(secret).encode() if secret else None
+    verifier = verifier_for(secret) if secret else None
 
     @web.middleware
     async def check(request: web.Request, handler):
         if is_open(request):
             return await handler(request)
-        if token is not None and _has_token(request, token):
+        if verifier is not None and _has_token(request, verifier):
             return await handler(request)
         bearer = _bearer(request)
         if keys is not None and bearer is not None and keys.check(bearer):

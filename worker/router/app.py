@@ -71,7 +71,6 @@ class Router:
         self.ready_without_workers = ready_without_workers
         self.metrics = Metrics("router", pool)
         self.api_keys = api_keys
-        self.worker_headers = auth.pool_headers(pool_secret)
         self.pool_secret = pool_secret
         self.absorb_until = 0.0                    # monotonic time until which bursts prefill on decode
         self.workers: dict[str, WorkerState] = {}
@@ -252,7 +251,7 @@ class Router:
                 self._log_refusals(d)
                 hashes = hashes_for(d.decode)
                 place = "remote" if d.prefill is not None else "local"
-                headers = {"Content-Type": "application/json", **self.worker_headers}
+                headers = {"Content-Type": "application/json", **auth.pool_headers(self.pool_secret)}
                 if d.prefill is not None:
                     headers[PREFILL_PEER_HEADER] = d.prefill.url
                 with _Load(d) as load:

@@ -47,7 +47,9 @@ class CappedTCPSite(web.TCPSite):
     ``evicted`` and ``refused`` count the connections closed at the cap."""
 
     def __init__(self, runner: web.BaseRunner, host: str, port: int, max_connections: int):
-        super().__init__(runner, host, port)
+        # a backlog as deep as the cap (aiohttp's is 128): a burst of connections queues rather than
+        # having its SYNs dropped, which costs a probe behind it a 1 s retransmission
+        super().__init__(runner, host, port, backlog=max(128, min(max_connections, 4096)))
         self.max_connections = max_connections
         self.evicted = self.refused = 0
         self._warned = 0.0
