@@ -204,3 +204,28 @@ def test_a_pool_token_is_accepted_once_and_only_while_fresh():
             await runner.cleanup()
     assert asyncio.run(main()) == [200, 401, 401, 401, 200]
     assert refused == ["/v1/completions"] * 3
+
+
+def test_a_client_key_cannot_name_a_prefill_peer(monkeypatch):
+    """A decode worker with API keys and a pool secret, called with a client's key and a prefill-peer
+    header that points at a listening socket of ours: the worker never connects there (only the router,
+    with a pool token, names peers; before the fix it fetched that URL's /health and spoke KV to it)
+    and answers the request by prefilling locally."""
+    from fleet_utils import MODEL, start_worker
+    trap = socket.create_server(("127.0.0.1", 0))
+    trap.settimeout(0.5)
+    monkeypatch.setenv(auth.API_KEYS_ENV, KEY)
+    monkeypatch.setenv(auth.POOL_SECRET_ENV, "s" * 32)
+    proc, url = start_worker("decode", name="peer-check")
+    try:
+        r = requests.post(url + "/v1/chat/completions", timeout=300, headers={
+            "Authorization": f"Bearer {KEY}",
+            "X-Tandem-Prefill-Peer": f"http://127.0.0.1:{trap.getsockname()[1]}"},
+            json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        with pytest.raises(socket.timeout):
+            trap.accept()
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        trap.close()

@@ -242,6 +242,16 @@ def pool_only(request: web.Request, secret: Optional[bytes],
                                         None, "invalid_request_error"), status=401)
 
 
+FROM_POOL = "tandem.from_pool"
+
+
+def from_pool(request: web.Request, secret: Optional[bytes]) -> bool:
+    """Whether ``request`` came from a process of the pool: it carried a valid pool token, or the
+    process has no pool secret (an open local fleet). A client's API key is not the pool: what only
+    the router may ask (naming a prefill peer) is ignored on such a request."""
+    return secret is None or bool(request.get(FROM_POOL))
+
+
 def _has_token(request: web.Request, verifier: TokenVerifier) -> bool:
     """Whether ``request`` carries a valid, unused token in :data:`POOL_TOKEN_HEADER`."""
     presented = request.headers.get(POOL_TOKEN_HEADER)
@@ -268,6 +278,7 @@ def auth_middleware(keys: Optional[KeyStore], secret: Optional[bytes],
         if is_open(request):
             return await handler(request)
         if verifier is not None and _has_token(request, verifier):
+            request[FROM_POOL] = True
             return await handler(request)
         bearer = _bearer(request)
         if keys is not None and bearer is not None and keys.check(bearer):

@@ -34,7 +34,10 @@ class PrefillPeers:
         self.ports: dict[str, int] = {}
 
     async def kv_address(self, peer_url: str) -> tuple[str, int]:
-        host = urlparse(peer_url).hostname
+        u = urlparse(peer_url)
+        host = u.hostname
+        if u.scheme not in ("http", "https") or not host:
+            raise TransferError(f"prefill peer {peer_url!r} is not an http URL")
         if peer_url not in self.ports:
             try:
                 async with self.session.get(peer_url.rstrip("/") + "/health",
