@@ -146,3 +146,16 @@ def test_the_charts_operator_pod_is_hardened_and_its_webhook_fenced(helm_bin):
     assert np["spec"]["podSelector"]["matchLabels"] == dep["spec"]["selector"]["matchLabels"]
     webhook = next(r for r in np["spec"]["ingress"] if r["ports"][0]["port"] == 9443)
     assert webhook["from"] == [{"ipBlock": {"cidr": "0.0.0.0/0"}}]   # the values' default; narrowed per cluster
+
+
+def test_the_operator_is_admitted_from_its_own_namespace_only():
+    """Running in a pod (POD_NAMESPACE known), the operator's peer in the workers' policy names its
+    namespace: a pod elsewhere that copies the operator's labels is not admitted (before the fix: any
+    namespace, with a label anyone may put on a pod)."""
+    p = pool()
+    objs = {o["metadata"]["name"]: o for o in D.desired_objects(p, D.Capabilities(operator_namespace="tandem-system"))
+            if o["kind"] == "NetworkPolicy"}
+    _, others = objs["smollm2-workers"]["spec"]["ingress"]
+    assert {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "tandem-system"}},
+            "podSelector": {"matchLabels": SEC.OPERATOR_POD_LABELS}} in others["from"]
+    assert not any(f.get("namespaceSelector") == {} for f in others["from"])
