@@ -72,6 +72,7 @@ class KVTransferServer:
         self.active = 0          # authenticated transfers in flight (drain waits for them)
         self.handshaking = 0     # connections not yet authenticated
         self.accepting = True
+        self._logged_at, self._unlogged = -1e9, 0
 
     async def start(self, host: str, port: int) -> int:
         """Listen; returns the bound port (``port`` 0 picks a free one)."""
@@ -84,9 +85,16 @@ class KVTransferServer:
             await self.server.wait_closed()
 
     def _refuse(self, writer, why: str) -> None:
-        log.warning("KV connection from %s refused: %s", writer.get_extra_info("peername"), why)
+        """Count a refusal; log it, at most one line every 5 s (a flood must not become a log flood)."""
         if self.on_refused:
             self.on_refused()
+        now = time.monotonic()
+        if now - self._logged_at < 5.0:
+            self._unlogged += 1
+            return
+        more = f" (and {self._unlogged} more refused since the last line)" if self._unlogged else ""
+        log.warning("KV connection from %s refused: %s%s", writer.get_extra_info("peername"), why, more)
+        self._logged_at, self._unlogged = now, 0
 
     async def _read_hello(self, reader, nonce: str) -> tuple[dict | None, dict | None, str]:
         """``(proof, hello, why)``: the HELLO's verified proof and parsed body, or Nones and why not."""
