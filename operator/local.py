@@ -3,7 +3,10 @@ one per replica and role, started with the same ``tandem serve`` command the pod
 
 The router reads its peers' addresses from a discovery file that the fleet rewrites (write, then
 rename) whenever a worker turns ready or starts draining, so it learns of workers without a restart.
-Every process's output is kept, line by line, under a ``[role-i]`` prefix. Ctrl-C or SIGTERM stops the
+Every process's output is kept, line by line, under a ``[role-i]`` prefix. A process that exits on its
+own (a worker whose engine died exits with code 3) is restarted on the same port, with an exponential
+backoff for one that keeps failing (1 s doubling to 30 s, forgotten after a minute up), as the kubelet
+restarts a pod's container; the fleet says why from the process's last lines. Ctrl-C or SIGTERM stops the
 router first, then drains and stops the workers (SIGTERM, which they treat as drain-then-exit), and
 kills what is left after a grace period.
 
@@ -16,6 +19,7 @@ autoscaler wakes both roles.
 from __future__ import annotations
 
 import base64
+import collections
 import json
 import os
 import secrets
@@ -29,7 +33,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
@@ -40,14 +44,26 @@ from tandem.worker.engine.cpu_features import CPU_THREADS_ENV, cpu_threads
 from tandem.worker.serve_cli import PARENT_PID_ENV
 
 
+#: the restart backoff of a process that exits on its own: first delay, cap, and the time up after
+#: which its failures are forgotten (seconds)
+RESTART_BACKOFF = (1.0, 30.0, 60.0)
+
+
 @dataclass
 class Proc:
     name: str
     role: str
     url: str
     popen: subprocess.Popen
-    #: starting (not yet ready) | ready | draining (out of the discovery file, finishing its requests)
+    #: starting (not yet ready) | ready | draining (out of the discovery file, finishing its requests) |
+    #: stopping (being stopped by the fleet) | restarting (exited on its own; restarted at restart_at)
     state: str = "starting"
+    cmd: list = field(default_factory=list)    # how it was started (a restart runs the same)
+    env: dict = field(default_factory=dict)
+    started: float = field(default_factory=time.monotonic)
+    restarts: int = 0                          # restarts in a row without a minute up
+    restart_at: float = 0.0
+    tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=4))   # last lines
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -56,8 +72,9 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def _pump(name: str, stream, out) -> None:
+def _pump(name: str, stream, out, tail: collections.deque) -> None:
     for line in iter(stream.readline, ""):
+        tail.append(line.rstrip())
         out.write(f"[{name}] {line}")
         out.flush()
 
@@ -96,6 +113,8 @@ class LocalFleet:
         self.lock = threading.RLock()   # procs and the discovery file: the autoscaler's thread changes them
         self.discovery_file = self.dir / "discovery.json"
         self._serial = {"prefill": 0, "decode": 0}
+        self.stopping = False
+        self._supervisor: threading.Thread | None = None
         #: the autoscaler's last burst-absorption decision, passed to the router in the discovery file
         self.absorb_bursts = False
 
@@ -146,6 +165,9 @@ class LocalFleet:
 
     def stop_worker(self, p: Proc, grace: float = 30.0) -> None:
         """Stop one worker (SIGTERM: drain, then exit; SIGKILL after ``grace`` s) and forget it."""
+        with self.lock:
+            if p.state != "draining":
+                p.state = "stopping"   # its exit is not a crash: not restarted
         if p.popen.poll() is None:
             p.popen.send_signal(signal.SIGTERM)
             try:
@@ -159,22 +181,63 @@ class LocalFleet:
         self.write_discovery()
 
     def refresh(self) -> list[Proc]:
-        """Mark starting workers that answer /ready as ready (and tell the router); drop processes that
-        exited. Returns the processes that exited."""
-        dead = []
-        for p in self.workers():
-            if p.popen.poll() is not None:
-                dead.append(p)
-            elif p.state == "starting" and _ready(p.url):
-                p.state = "ready"
-                self.write_discovery()
-        if dead:
-            with self.lock:
-                for p in dead:
-                    if p in self.procs:
+        """Mark starting processes that answer /ready as ready (and tell the router); restart those that
+        exited on their own (after their backoff), and forget those the fleet stopped. Returns the
+        processes found exited in this call."""
+        exited, now = [], time.monotonic()
+        with self.lock:
+            for p in list(self.procs):
+                if p.state == "restarting":
+                    if now >= p.restart_at and not self.stopping:
+                        self._respawn(p)
+                elif p.popen.poll() is not None:
+                    exited.append(p)
+                    if p.state in ("draining", "stopping") or self.stopping:
                         self.procs.remove(p)
+                    else:
+                        self._crashed(p, now)
+        if exited:
             self.write_discovery()
-        return dead
+        for p in self.workers() + [p for p in self.procs if p.role == "router"]:
+            if p.state == "starting" and p.popen.poll() is None and _ready(p.url):
+                with self.lock:
+                    if p.state == "starting":
+                        p.state = "ready"
+                if p.role != "router":
+                    self.write_discovery()
+        return exited
+
+    def _crashed(self, p: Proc, now: float) -> None:
+        """``p`` exited on its own: say why and schedule its restart (under ``lock``)."""
+        first, cap, forget = RESTART_BACKOFF
+        if now - p.started > forget:
+            p.restarts = 0
+        delay = min(cap, first * 2 ** p.restarts)
+        p.restarts += 1
+        p.state, p.restart_at = "restarting", now + delay
+        why = " | ".join(p.tail) or "no output"
+        self.out.write(f"tandem up: {p.name} exited with code {p.popen.returncode} (last output: {why}); "
+                       f"restarting it in {delay:.0f} s (restart {p.restarts} in a row)\n")
+        self.out.flush()
+
+    def _respawn(self, p: Proc) -> None:
+        self.out.write(f"tandem up: restarting {p.name}\n")
+        self.out.flush()
+        p.popen = self._spawn(p.name, p.cmd, p.env, p.tail)
+        p.state, p.started = "starting", time.monotonic()
+
+    def supervise(self, interval: float = 0.5) -> None:
+        """Run :meth:`refresh` every ``interval`` s on a thread of its own until :meth:`stop`: processes
+        turn ready and crashed ones come back without anyone polling."""
+        def loop():
+            while not self.stopping:
+                try:
+                    self.refresh()
+                except Exception as e:   # keep supervising whatever one round hit
+                    self.out.write(f"tandem up: supervision round failed: {e!r}\n")
+                time.sleep(interval)
+        self._supervisor = threading.Thread(target=loop, name="supervisor", daemon=True)
+        self._supervisor.start()
 
     @property
     def endpoint(self) -> str:
@@ -196,13 +259,18 @@ class LocalFleet:
             if role in ("prefill", "decode") else None
         if threads:   # the role's CPU share, as its pod would have it (desired.py's Downward API env)
             env[CPU_THREADS_ENV] = str(threads)
-        popen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                 env=env, start_new_session=True)
-        threading.Thread(target=_pump, args=(name, popen.stdout, self.out), daemon=True).start()
-        proc = Proc(name, role, f"http://{self.host}:{port}", popen)
+        tail: collections.deque = collections.deque(maxlen=4)
+        proc = Proc(name, role, f"http://{self.host}:{port}", self._spawn(name, cmd, env, tail), cmd=cmd,
+                    env=env, tail=tail)
         with self.lock:
             self.procs.append(proc)
         return proc
+
+    def _spawn(self, name: str, cmd: list, env: dict, tail: collections.deque) -> subprocess.Popen:
+        popen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                 env=env, start_new_session=True)
+        threading.Thread(target=_pump, args=(name, popen.stdout, self.out, tail), daemon=True).start()
+        return popen
 
     def _wait_ready(self, procs: list[Proc], timeout: float) -> None:
         t_end = time.monotonic() + timeout
@@ -238,10 +306,18 @@ class LocalFleet:
                              self.router_port)
         self._wait_ready([router], timeout)
         router.state = "ready"
+        self.supervise()
 
     def stop(self, grace: float = 30.0) -> None:
         """Router first, then workers: SIGTERM (drain, then exit), SIGKILL after ``grace`` seconds.
         Then the temporary config folder goes."""
+        with self.lock:
+            self.stopping = True
+            for p in self.procs:
+                if p.state == "restarting":   # exited already: nothing to stop
+                    p.popen.poll()
+        if self._supervisor is not None:
+            self._supervisor.join(timeout=5)
         for group in ([p for p in self.procs if p.role == "router"],
                       [p for p in self.procs if p.role != "router"]):
             for p in group:
@@ -371,10 +447,8 @@ def run_up(args) -> int:
                                    interval_s=getattr(args, "autoscale_interval", 5.0), calibration=cal)
             loop.start()
         try:
-            while not stop.is_set():
-                for p in fleet.refresh():
-                    print(f"tandem up: {p.name} exited with code {p.popen.returncode}", flush=True)
-                stop.wait(1.0)
+            while not stop.wait(1.0):   # the fleet's supervisor restarts what exits (LocalFleet.supervise)
+                pass
         finally:
             if loop is not None:
                 loop.stop()

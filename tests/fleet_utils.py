@@ -30,6 +30,26 @@ class LogBuffer(io.StringIO):
     """Collects the fleet's prefixed process output (printed when a test fails)."""
 
 
+class LogTee(io.TextIOBase):
+    """The fleet's prefixed process output, passed on to stderr and kept (``text()``), so a test can
+    assert what the processes logged (no traceback, a restart's reason)."""
+
+    def __init__(self):
+        self.parts: list[str] = []
+
+    def write(self, s: str) -> int:
+        self.parts.append(s)
+        sys.stderr.write(s)
+        return len(s)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+    def text(self, since: int = 0) -> str:
+        """Everything written after the first ``since`` writes (``len(parts)`` marks a point)."""
+        return "".join(self.parts[since:])
+
+
 def example_manifest(overrides: dict | None = None, name: str = "e2e") -> Path:
     """examples/smollm2.yaml renamed, with ``{"spec.engine.kvCache": ..., ...}`` overrides, in a temp file."""
     manifest = yaml.safe_load((ROOT / "examples" / "smollm2.yaml").read_text())
@@ -62,7 +82,7 @@ def start_fleet(overrides: dict | None = None, name: str = "e2e", pool_secret: b
     """A local fleet of the example (or ``manifest``). Without ``pool_secret`` (the default here, not in
     `tandem up`) its workers take requests from anyone, as the suites that play the router and call
     workers directly need; tests/serving/test_auth.py runs fleets with it."""
-    fleet = LocalFleet(str(manifest or example_manifest(overrides, name)), router_port=0, log_stream=sys.stderr,
+    fleet = LocalFleet(str(manifest or example_manifest(overrides, name)), router_port=0, log_stream=LogTee(),
                        pool_secret=pool_secret)
     try:
         fleet.start(timeout=300)

@@ -136,7 +136,7 @@ async def _serve_worker(args, cfg) -> None:
             state["error"] = e
             stop.set()
             return
-        aengine = AsyncEngine(engine)
+        aengine = AsyncEngine(engine, on_dead=_exit_on_engine_death)
         aengine.start()
         kv_server, kv_port = None, None
         if args.role == "prefill":
@@ -156,6 +156,24 @@ async def _serve_worker(args, cfg) -> None:
         raise state["error"]
 
 
+#: the exit code of a worker whose engine died: its supervisor (the kubelet, `tandem up`) restarts it
+ENGINE_DEAD_EXIT = 3
+
+
+def _exit_on_engine_death(error: BaseException) -> None:
+    """The engine thread died (a fault in shared state: the model or the KV cache) and every request it
+    held has been failed: exit non-zero a moment later (the failed requests' error responses go out
+    first), so the pod's container restarts at once, not after the liveness probe's window."""
+    message = f"engine died: {type(error).__name__}: {error}"
+    log.critical("%s; exiting with code %d so that the worker is restarted", message, ENGINE_DEAD_EXIT)
+    _write_termination_message(message)
+
+    def leave():
+        logging.shutdown()
+        os._exit(ENGINE_DEAD_EXIT)
+    asyncio.get_running_loop().call_later(0.5, leave)
+
+
 async def _serve_router(args, cfg) -> None:
     from tandem.worker.api.tokenizer import load_tokenizer
     from tandem.worker.router.app import Router
@@ -168,7 +186,8 @@ async def _serve_router(args, cfg) -> None:
                     queue_timeout=args.queue_timeout or cfg.router.queueTimeoutSeconds,
                     max_model_len=cfg.model.maxModelLen, max_request_bytes=args.max_request_bytes,
                     api_keys=args.api_keys, pool_secret=args.pool_secret,
-                    ready_without_workers=bool((cfg.discovery or {}).get("scaleToZero")))
+                    ready_without_workers=bool((cfg.discovery or {}).get("scaleToZero")),
+                    unavailable_timeout=cfg.router.unavailableTimeoutSeconds)
 
     async def on_signal(stop: asyncio.Event) -> None:
         stop.set()

@@ -189,8 +189,11 @@ class RouterSpec(_Model):
     remotePrefillMinTokens: int = Field(256, ge=0, le=1048576, description=(
         "Prompts shorter than this are prefilled on the decode worker itself."))
     queueTimeoutSeconds: float = Field(300, gt=0, le=3600, description=(
-        "Seconds the router holds a request while no decode worker is ready (scale from zero, a "
-        "restart) before answering 503; longer than a GPU worker's start-up."))
+        "Seconds the router of a scaleToZero pool holds a request while no decode worker is ready "
+        "(waking from zero) before answering 503; longer than a GPU worker's start-up."))
+    unavailableTimeoutSeconds: float = Field(5, gt=0, le=3600, description=(
+        "Seconds the router of a pool that is not scaled to zero holds a request while no decode worker "
+        "is ready (a crashed worker restarting) before answering 503 with Retry-After."))
     resources: ResourceRequirements = Field(default_factory=ResourceRequirements, description=(
         "Container resources of each router pod."))
     apiKeySecretRef: Optional[SecretRef] = Field(None, description=(

@@ -2,9 +2,14 @@
 and the headers they pass each other."""
 from __future__ import annotations
 
+import logging
+import uuid
+
 from aiohttp import web
 
 from tandem.worker.api.errors import error_body
+
+log = logging.getLogger(__name__)
 
 #: router -> decode worker: the prefill worker (an http URL) to pull the prompt's KV from
 PREFILL_PEER_HEADER = "X-Tandem-Prefill-Peer"
@@ -16,9 +21,15 @@ TTFT_HEADER = "X-Tandem-TTFT-Seconds"
 DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20
 
 
+#: the header that carries the id of a failed request, also in the server's log line for it
+REQUEST_ID_HEADER = "X-Request-Id"
+
+
 @web.middleware
 async def json_errors(request: web.Request, handler):
-    """aiohttp's own errors (unknown path 404, wrong method 405, body too large 413) as OpenAI JSON."""
+    """aiohttp's own errors (unknown path 404, wrong method 405, body too large 413) as OpenAI JSON,
+    and any unexpected exception as an OpenAI JSON 500 whose request id is in the log with its
+    traceback (never aiohttp's plain-text page)."""
     try:
         return await handler(request)
     except web.HTTPRequestEntityTooLarge:
@@ -29,6 +40,12 @@ async def json_errors(request: web.Request, handler):
         if e.status < 400:
             raise
         return json_error(f"{e.reason}: {request.method} {request.path}", e.status)
+    except Exception:
+        rid = uuid.uuid4().hex[:16]
+        log.exception("internal error in %s %s (request id %s)", request.method, request.path, rid)
+        resp = json_error(f"internal server error (request id {rid})", 500)
+        resp.headers[REQUEST_ID_HEADER] = rid
+        return resp
 
 
 def openai_app(h, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> web.Application:

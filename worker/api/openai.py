@@ -11,12 +11,17 @@ from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, Valid
                       model_validator)
 
 from tandem.worker.api.errors import InvalidRequestError, UnknownModelError
+from tandem.worker.api.sampling import FAULT_FIELD, MAX_TOKEN_ID, SamplingParams, faults_enabled
 from tandem.worker.api.tokenizer import chat_token_ids
 
 log = logging.getLogger(__name__)
 
 _UNION_MEMBER = re.compile(r"^(str|int|float|bool|list\[.*\]|dict\[.*\]|function-.*)$")
-_SAMPLING = ("temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos")
+_SAMPLING = ("temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "presence_penalty",
+             "frequency_penalty", "repetition_penalty", "logit_bias")
+#: integers longer than this are parsed as floats (and so refused by the integer fields, naming them):
+#: Python refuses to parse over 4,300 digits at all, which would leave no field to name
+_MAX_INT_DIGITS = 64
 
 
 class _Request(BaseModel):
@@ -29,6 +34,10 @@ class _Request(BaseModel):
     seed: Optional[int] = None
     stop: Optional[Union[str, list[str]]] = None
     stop_token_ids: Optional[list[int]] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    logit_bias: Optional[dict[str, float]] = None
     ignore_eos: bool = False
     n: int = Field(1, ge=1, le=1)
     stream: StrictBool = False
@@ -38,6 +47,8 @@ class _Request(BaseModel):
         """The SamplingParams fields. Without max_tokens: OpenAI's 16 for completions; for chat, the
         rest of the context (as vLLM does)."""
         d = {k: getattr(self, k) for k in _SAMPLING if getattr(self, k) is not None}
+        if faults_enabled() and self.model_extra and FAULT_FIELD in self.model_extra:
+            d[FAULT_FIELD] = self.model_extra[FAULT_FIELD]   # a test's fault hook, for the engine
         d["max_tokens"] = (self.max_tokens if self.max_tokens is not None
                            else self._default_max_tokens(max_model_len, num_prompt_tokens))
         return d
@@ -55,6 +66,15 @@ class CompletionRequest(_Request):
     logprobs: Optional[int] = None
     echo: bool = False
 
+    @field_validator("prompt")
+    @classmethod
+    def _token_ids_in_range(cls, v):
+        if isinstance(v, list) and v and isinstance(v[0], int):
+            bad = next((t for t in v if not 0 <= t <= MAX_TOKEN_ID), None)
+            if bad is not None:
+                raise ValueError(f"token id {bad} is not in [0, {MAX_TOKEN_ID}]")
+        return v
+
     @field_validator("echo")
     @classmethod
     def _no_echo(cls, v):
@@ -69,10 +89,23 @@ class CompletionRequest(_Request):
         return d
 
 
+class ContentPart(BaseModel):
+    """One part of a message's content; text parts are kept, others ignored."""
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: Optional[str] = None
+
+    @model_validator(mode="after")
+    def _text_part_has_text(self):
+        if self.type == "text" and self.text is None:
+            raise ValueError("a text content part needs a string text")
+        return self
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, list[dict[str, Any]], None] = None
+    content: Union[str, list[ContentPart], None] = None
 
     @model_validator(mode="after")
     def _content_present(self):
@@ -103,7 +136,7 @@ class ChatCompletionRequest(_Request):
         for m in self.messages:
             content = m.content
             if isinstance(content, list):  # content parts: keep the text ones
-                content = "".join(p.get("text", "") for p in content if p.get("type") == "text")
+                content = "".join(p.text for p in content if p.type == "text")
             out.append({"role": m.role, "content": content or ""})
         return out
 
@@ -118,12 +151,27 @@ def parse_request(cls, body: Any):
         err = e.errors()[0]
         loc = ".".join(str(x) for x in err["loc"] if not _UNION_MEMBER.match(str(x)))
         msg = err["msg"].removeprefix("Value error, ")
-        raise InvalidRequestError(loc, f"{msg} (got {err.get('input')!r})"[:300]) from None
+        raise InvalidRequestError(loc, f"{msg} (got {_short(err.get('input'))})") from None
     if req.stream_options is not None and not req.stream:
         raise InvalidRequestError("stream_options", "only allowed when stream is true")
     if req.model_extra:
         log.info("ignoring unknown request fields: %s", sorted(req.model_extra))
     return req
+
+
+def _short(value: Any) -> str:
+    """``repr(value)`` cut to 200 characters: an error message never echoes a whole large input."""
+    r = repr(value)
+    return r if len(r) <= 200 else r[:200] + "..."
+
+
+def check_unicode(text: str, field: str) -> None:
+    """Raise InvalidRequestError when ``text`` is not valid Unicode (a lone surrogate from a JSON
+    ``\\udXXX`` escape: it has no UTF-8 form, so no tokenizer can take it)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidRequestError(field, f"is not valid Unicode: a lone surrogate at character {e.start}") from None
 
 
 def max_prompt_chars(tokenizer, max_model_len: int) -> int:
@@ -149,6 +197,8 @@ def prompt_token_ids(req: "CompletionRequest | ChatCompletionRequest", tokenizer
     if isinstance(req, ChatCompletionRequest):
         messages = req.message_dicts()
         _check_chars(sum(len(m["content"]) for m in messages), char_limit, "messages")
+        for i, m in enumerate(messages):
+            check_unicode(m["content"], f"messages.{i}.content")
         return chat_token_ids(tokenizer, messages)
     p = req.prompt
     if isinstance(p, list) and p and all(isinstance(x, int) for x in p):
@@ -162,6 +212,7 @@ def prompt_token_ids(req: "CompletionRequest | ChatCompletionRequest", tokenizer
     if not p:
         raise InvalidRequestError("prompt", "must not be empty")
     _check_chars(len(p), char_limit, "prompt")
+    check_unicode(p, "prompt")
     return list(tokenizer.encode(p))
 
 
@@ -172,15 +223,22 @@ def read_request(raw: bytes, chat: bool, model_name: str, tokenizer, char_limit:
     Raises InvalidRequestError (HTTP 400: malformed JSON, a bad field, a prompt over ``char_limit``
     characters) or UnknownModelError (404)."""
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise InvalidRequestError("", f"malformed JSON body: {e}") from None
+        body = json.loads(raw, parse_int=_parse_int)
+    except (ValueError, UnicodeDecodeError) as e:   # JSONDecodeError is a ValueError
+        raise InvalidRequestError("", f"malformed JSON body: {_short(str(e))}") from None
     except RecursionError:
         raise InvalidRequestError("", "malformed JSON body: nested too deeply") from None
     req = parse_request(ChatCompletionRequest if chat else CompletionRequest, body)
     if req.model != model_name:
         raise UnknownModelError("model", f"The model `{req.model}` does not exist.")
-    return req, prompt_token_ids(req, tokenizer, char_limit)
+    ids = prompt_token_ids(req, tokenizer, char_limit)
+    # every front end refuses bad sampling values before any work (the engine checks them again)
+    SamplingParams.parse(req.sampling(len(ids) + 1, len(ids)))
+    return req, ids
+
+
+def _parse_int(digits: str):
+    return int(digits) if len(digits) <= _MAX_INT_DIGITS else float(digits)
 
 
 #: bodies up to this size are parsed on the event loop: well under a millisecond, less than the hop

@@ -31,11 +31,15 @@ class AsyncEngine:
         engine: the engine to drive.
         on_step: optional ``fn(engine, outputs)`` called on the engine thread after each step
             (metrics).
+        on_dead: optional ``fn(error)`` called on the event loop once the engine thread has died and
+            every request it held has been failed (the worker process then exits: serve_cli).
     """
 
-    def __init__(self, engine: LLMEngine, on_step: Callable | None = None):
+    def __init__(self, engine: LLMEngine, on_step: Callable | None = None, on_dead: Callable | None = None):
         self.engine = engine
         self.on_step = on_step
+        self.on_dead = on_dead
+        self.injected_fault: str | None = None   # a test hook (inject_fault)
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
         self.wake = threading.Event()
         self.queues: dict[str, asyncio.Queue] = {}
@@ -75,6 +79,8 @@ class AsyncEngine:
                         self.loop.call_soon_threadsafe(_set_exc, fut, e)
                     else:
                         self.loop.call_soon_threadsafe(_set_result, fut, res)
+                if self.injected_fault is not None:
+                    raise RuntimeError(self.injected_fault)
                 if engine.scheduler.has_work():
                     outputs = engine.step()
                     if self.on_step:
@@ -113,6 +119,14 @@ class AsyncEngine:
             except queue.Empty:
                 break
             _set_exc(fut, dead)
+        if self.on_dead is not None and not self.stopped:
+            self.on_dead(e)
+
+    def inject_fault(self, message: str = "injected engine fault") -> None:
+        """Test hook: the engine thread raises ``RuntimeError(message)`` at its next turn, as a broken
+        model or KV cache would make it (only reachable with TANDEM_FAULT_INJECTION=1)."""
+        self.injected_fault = message
+        self.wake.set()
 
     def post(self, request_id: str, item) -> None:
         """Thread-safe: put ``item`` on a request's queue (used by KV sinks on the engine thread)."""

@@ -34,3 +34,11 @@ class IncrementalDetokenizer:
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
             return full[len(prefix):]
         return ""
+
+    def flush(self) -> str:
+        """The text of tokens held back because they end inside a character: at the end of an answer,
+        with U+FFFD for the incomplete bytes (as ``decode`` of the whole output gives them)."""
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset:])
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return full[len(prefix):] if len(full) > len(prefix) else ""

@@ -21,6 +21,7 @@ from typing import Callable
 import torch
 
 from tandem.worker.api.block_hash import fingerprint
+from tandem.worker.api.sampling import FAULT_FIELD, faults_enabled
 from tandem.worker.engine.block_manager import BlockManager
 from tandem.worker.engine.config import EngineConfig
 from tandem.worker.engine.detokenizer import IncrementalDetokenizer
@@ -54,6 +55,7 @@ class RequestOutput:
     logprobs: list[SampleResult] = field(default_factory=list)
     queue_time: float | None = None     # seconds from arrival to first scheduling
     prefill_time: float | None = None   # seconds from first scheduling to the first token
+    error: str | None = None            # why the request failed (``finish_reason`` "error")
 
 
 @dataclass
@@ -67,6 +69,12 @@ class EngineStats:
     local_prefill_fallbacks: int = 0
     #: aborted requests by the state they were in: queued, awaiting_kv, receiving_kv, running
     aborts: dict[str, int] = field(default_factory=dict)
+    #: requests failed by an error in their own scheduling, model step, sampling or detokenizing
+    request_errors: int = 0
+
+
+#: model steps in a row that may fail (failing their batch) before the engine itself is declared broken
+MAX_FAILED_STEPS = 3
 
 
 class LLMEngine:
@@ -126,6 +134,7 @@ class LLMEngine:
         self.seqs: dict[str, Sequence] = {}
         self.stats = EngineStats()
         self.eos_ids = set(loaded.config.eos_token_ids)
+        self.failed_steps = 0   # model steps failed in a row (see MAX_FAILED_STEPS)
 
     # ---- requests ---------------------------------------------------------------------------
     def tokenize_chat(self, messages: list[dict]) -> list[int]:
@@ -150,6 +159,10 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
             raise InvalidRequestError("prompt", f"token ids must be in [0, {vocab})")
+        bad = [t for t in params.logit_bias if t >= vocab]
+        if bad:
+            raise InvalidRequestError("logit_bias", f"token id {bad[0]} is not in this model's vocabulary "
+                                      f"[0, {vocab})")
 
     def _new_seq(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
                  params) -> Sequence:
@@ -253,7 +266,13 @@ class LLMEngine:
         return bool(self.seqs)
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, sample, and return every request's new output."""
+        """Schedule, run the model once, sample, and return every request's new output.
+
+        An error that belongs to one request (its sampling, detokenizing or KV hand-off) fails that
+        request alone (an output with ``finish_reason`` "error"); an error in the model step fails the
+        step's batch, and :data:`MAX_FAILED_STEPS` failed steps in a row raise: the model or the KV
+        cache is broken, and the engine must stop. An error while scheduling raises at once (the
+        scheduler's and block manager's state is shared by every request)."""
         batch = self.scheduler.schedule()
         if not batch.items:
             return []
@@ -266,21 +285,69 @@ class LLMEngine:
             in_prompt = max(0, min(seq.num_computed_tokens + n, len(seq.prompt_token_ids))
                             - seq.num_computed_tokens)
             self.stats.prompt_tokens_computed += in_prompt
-        sample_seqs, logits = self.runner.execute(batch)
+        try:
+            sample_seqs, logits = self.runner.execute(batch)
+        except Exception as e:
+            self.failed_steps += 1
+            if self.failed_steps >= MAX_FAILED_STEPS:
+                raise RuntimeError(f"{self.failed_steps} model steps failed in a row; the last: {e!r}") from e
+            log.exception("model step failed; failing its %d requests", len(batch.items))
+            return [self.fail(seq.request_id, f"the model step failed: {e!r}") for seq, _ in batch.items]
+        self.failed_steps = 0
         for seq, n in batch.items:
             seq.num_computed_tokens += n
             self.block_manager.register_computed(seq)
-        results = sample(logits, sample_seqs) if sample_seqs else []
         outputs = []
-        for seq, res in zip(sample_seqs, results):
-            outputs.append(self._append_token(seq, res))
+        for seq, res in zip(sample_seqs, self._sample(logits, sample_seqs)):
+            try:
+                if isinstance(res, Exception):
+                    raise res
+                if faults_enabled() and (seq.params.model_extra or {}).get(FAULT_FIELD) == "sample":
+                    raise RuntimeError("injected sampling fault (tandem_fault: sample)")
+                outputs.append(self._append_token(seq, res))
+            except Exception as e:
+                log.exception("request %s failed while sampling", seq.request_id)
+                outputs.append(self.fail(seq.request_id, f"sampling failed: {e!r}"))
         for seq, _ in batch.items:
             if seq.kv_sink is not None and seq.status != SeqStatus.FINISHED:  # finished ones sent theirs
-                self._send_kv(seq)
+                try:
+                    self._send_kv(seq)
+                except Exception as e:
+                    log.exception("request %s failed handing off its KV", seq.request_id)
+                    outputs.append(self.fail(seq.request_id, f"KV hand-off failed: {e!r}"))
         for out in outputs:
             if out.finished:
-                self._forget(self.seqs[out.request_id])
+                seq = self.seqs.get(out.request_id)
+                if seq is not None:
+                    self._forget(seq)
         return outputs
+
+    def _sample(self, logits, seqs: list[Sequence]) -> list:
+        """One :class:`SampleResult` per sequence, or the exception that sampling it raised: the batch
+        is sampled at once, and only when that fails one by one, to find whose request it was."""
+        if not seqs:
+            return []
+        try:
+            return sample(logits, seqs)
+        except Exception:
+            out = []
+            for i, seq in enumerate(seqs):
+                try:
+                    out.append(sample(logits[i:i + 1], [seq])[0])
+                except Exception as e:
+                    out.append(e)
+            return out
+
+    def fail(self, request_id: str, message: str) -> RequestOutput:
+        """End a request with ``finish_reason`` "error" and free its blocks; returns its last output
+        (``error`` says why). Counted in ``stats.request_errors``."""
+        seq = self.seqs[request_id]
+        self.scheduler.remote.pop(request_id, None)
+        self.stats.request_errors += 1
+        self._finish(seq, "error")
+        self._forget(seq)
+        return RequestOutput(request_id, [], "", seq.text, True, "error", len(seq.prompt_token_ids),
+                             len(seq.output_token_ids), seq.num_cached_tokens, error=message)
 
     def _send_kv(self, seq: Sequence) -> None:
         bs = self.config.block_size
@@ -298,7 +365,7 @@ class LLMEngine:
         self.stats.generation_tokens += 1
         p = seq.params
         text = seq.text + seq.detokenizer.add(res.token_id)
-        reason = None
+        reason, cut = None, False
         if res.token_id in p.stop_token_ids or (not p.ignore_eos and res.token_id in self.eos_ids):
             reason = "stop"
         if p.stop:
@@ -306,12 +373,16 @@ class LLMEngine:
             start = max(0, len(seq.text) - window)
             hits = [i for i in (text.find(s, start) for s in p.stop) if i >= 0]
             if hits:
-                text, reason = text[:min(hits)], "stop"
+                text, reason, cut = text[:min(hits)], "stop", True
         if reason is None and (len(seq.output_token_ids) >= p.max_tokens
                                or seq.num_tokens >= self.max_model_len):
             reason = "length"
         if reason is None and seq.stop_after_first_token:
             reason = "prefill_done"
+        if reason in ("stop", "length") and not cut:
+            # the answer ends here: bytes held for a character the last tokens did not complete come
+            # out as U+FFFD, so the text is always the tokens' bytes decoded
+            text += seq.detokenizer.flush()
         seq.text = text
         # While a stop string may still be forming, hold back that many characters.
         hold = 0 if reason else max((len(s) - 1 for s in p.stop), default=0)
@@ -330,7 +401,7 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason
-        if seq.kv_sink is not None and reason != "abort":
+        if seq.kv_sink is not None and reason not in ("abort", "error"):
             seq.status = SeqStatus.FINISHED
             self._send_kv(seq)
         self.scheduler.finish(seq)

@@ -7,55 +7,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
-
-from tandem.worker.api.errors import InvalidRequestError
+from tandem.worker.api.errors import InvalidRequestError  # noqa: F401  (re-exported)
+from tandem.worker.api.sampling import GREEDY_TEMPERATURE, SamplingParams  # noqa: F401  (re-exported)
 
 log = logging.getLogger(__name__)
-
-
-class SamplingParams(BaseModel):
-    """How to pick tokens and when to stop, with OpenAI/vLLM names and ranges.
-
-    ``temperature`` 0 means greedy. ``top_k`` of -1 or 0 and ``top_p`` of 1 disable those filters.
-    ``seed`` makes sampling reproducible per request (also across preemption). ``stop`` strings are
-    cut from the output; ``stop_token_ids`` end it, as the model's EOS does unless ``ignore_eos``.
-    ``logprobs`` asks for the sampled token's log-probability and the top-N alternatives.
-    Unknown fields are ignored (and logged by :meth:`parse`).
-    """
-    model_config = ConfigDict(extra="allow")
-
-    max_tokens: int = Field(16, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=100.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1)
-    seed: int | None = None
-    stop: list[str] = Field(default_factory=list)
-    stop_token_ids: list[int] = Field(default_factory=list)
-    ignore_eos: bool = False
-    logprobs: int | None = Field(None, ge=0, le=20)
-
-    @field_validator("stop", mode="before")
-    @classmethod
-    def _one_stop(cls, v):
-        if v is None:
-            return []
-        return [v] if isinstance(v, str) else v
-
-    @classmethod
-    def parse(cls, values: "dict | SamplingParams | None") -> "SamplingParams":
-        """Validate ``values``; raise :class:`InvalidRequestError` naming the first bad field."""
-        if isinstance(values, SamplingParams):
-            return values
-        try:
-            params = cls.model_validate(values or {})
-        except ValidationError as e:
-            err = e.errors()[0]
-            loc = ".".join(str(x) for x in err["loc"])
-            raise InvalidRequestError(loc, f"{err['msg']} (got {err.get('input')!r})") from None
-        if params.model_extra:
-            log.info("ignoring unknown sampling fields: %s", sorted(params.model_extra))
-        return params
 
 
 class SeqStatus(enum.Enum):

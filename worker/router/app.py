@@ -43,8 +43,10 @@ class Router:
         discovery: where the workers are (``prefill_urls()``, ``decode_urls()``).
         remote_prefill_min_tokens, routing: the spec's router section.
         health_interval: seconds between worker health polls.
-        queue_timeout: seconds a request waits for a ready decode worker before a 503 (spec.router
-            .queueTimeoutSeconds).
+        queue_timeout: seconds a request of a scale-to-zero pool waits for a ready decode worker
+            before a 503 (spec.router.queueTimeoutSeconds).
+        unavailable_timeout: seconds a request of any other pool waits for a ready decode worker
+            (a restart) before a 503 with Retry-After (spec.router.unavailableTimeoutSeconds).
         ready_without_workers: report ready while no decode worker is (a scale-to-zero pool: the
             router must take the first request, hold it and so wake the pool).
         max_model_len: the pool's context length in tokens, when the spec sets it: longer prompts are
@@ -59,7 +61,7 @@ class Router:
                  routing: str = "prefix-affinity", health_interval: float = 1.0, queue_timeout: float = 300.0,
                  max_model_len: int | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                  api_keys: auth.KeyStore | None = None, pool_secret: bytes | None = None,
-                 ready_without_workers: bool = False):
+                 ready_without_workers: bool = False, unavailable_timeout: float = 5.0):
         self.model_name, self.tok, self.block_size = model_name, tokenizer, block_size
         self.char_limit = max_prompt_chars(tokenizer, max_model_len) if max_model_len else None
         self.max_request_bytes = max_request_bytes
@@ -68,6 +70,8 @@ class Router:
         self.discovery = discovery
         self.remote_min, self.routing = remote_prefill_min_tokens, routing
         self.health_interval, self.queue_timeout = health_interval, queue_timeout
+        self.unavailable_timeout = unavailable_timeout
+        self.max_model_len = max_model_len
         self.ready_without_workers = ready_without_workers
         self.metrics = Metrics("router", pool)
         self.api_keys = api_keys
@@ -128,6 +132,8 @@ class Router:
                 info = await r.json()
             w.free_blocks, w.num_blocks = info.get("free_blocks", 0), info.get("num_blocks", 0)
             w.fingerprint = info.get("model_fingerprint", w.fingerprint)
+            if isinstance(info.get("max_model_len"), int):
+                w.max_model_len = info["max_model_len"]
             w.ready = r.status == 200 and not info.get("draining", False)
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
             w.ready = False
@@ -195,15 +201,25 @@ class Router:
     async def chat_completions(self, request):
         return await self._route(request, "/v1/chat/completions", chat=True)
 
+    def context_limit(self) -> int | None:
+        """The longest prompt, in tokens, any worker could take: the spec's ``maxModelLen``, else the
+        largest the workers report (each worker checks its own exactly); None before any reported."""
+        if self.max_model_len:
+            return self.max_model_len
+        return max((w.max_model_len for w in self.workers.values() if w.max_model_len), default=None)
+
     async def _wait_for_decode(self, decide_fn):
         """Decide now, or hold the request (``tandem:router_queued_requests``) until a decode worker is
-        ready or ``queue_timeout`` passes."""
+        ready or the wait passes: ``queue_timeout`` for a scale-to-zero pool (its workers are being
+        woken), ``unavailable_timeout`` for any other (a pool that should have workers and has none
+        ready fails fast, so clients retry rather than hang)."""
         decision = decide_fn()
         if decision is not None:
             return decision
         self.queued += 1
         try:
-            t_end = time.monotonic() + self.queue_timeout
+            wait = self.queue_timeout if self.ready_without_workers else self.unavailable_timeout
+            t_end = time.monotonic() + wait
             while decision is None and time.monotonic() < t_end:
                 await asyncio.sleep(min(0.5, self.health_interval))
                 await self.poll_once()
@@ -221,6 +237,12 @@ class Router:
                 req, ids = await read_request_async(raw, chat, self.model_name, self.tok, self.char_limit)
             except InvalidRequestError as e:
                 return json_error(str(e), e.status, e.field)
+            limit = self.context_limit()
+            if limit is not None and len(ids) >= limit:
+                # before hashing: a million token ids would hold the event loop for a quarter second
+                field = "messages" if chat else "prompt"
+                return json_error(f"{field}: this model's maximum context length is {limit} tokens; the "
+                                  f"prompt has {len(ids)} tokens", 400, field)
             by_fp: dict[str, list[bytes]] = {}
 
             def hashes_for(w) -> list[bytes]:
@@ -246,7 +268,10 @@ class Router:
             while True:
                 d = await self._wait_for_decode(decide_fn)
                 if d is None:
-                    return json_error("no ready decode worker", 503)
+                    resp = json_error("no ready decode worker (the pool's workers are starting or "
+                                      "restarting); retry later", 503)
+                    resp.headers["Retry-After"] = str(max(1, round(self.unavailable_timeout)))
+                    return resp
                 self._rr += 1
                 self._log_refusals(d)
                 hashes = hashes_for(d.decode)

@@ -24,6 +24,7 @@ class WorkerState:
     num_blocks: int = 0
     ready: bool = True
     fingerprint: str | None = None   # the model fingerprint the worker reports at /health (hex)
+    max_model_len: int | None = None  # the context length the worker reports at /health (tokens)
     cached: OrderedDict = field(default_factory=OrderedDict)   # block hash -> None, LRU
 
     def matched_blocks(self, hashes: list[bytes]) -> int:

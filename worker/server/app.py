@@ -19,6 +19,7 @@ from tandem.worker.api.errors import InvalidRequestError, error_body
 from tandem.worker.api.http import (DEFAULT_MAX_REQUEST_BYTES, PREFILL_PEER_HEADER, TTFT_HEADER, json_error,
                                     openai_app)
 from tandem.worker.api.openai import max_prompt_chars, read_request_async
+from tandem.worker.api.sampling import faults_enabled
 from tandem.worker.engine.async_engine import AsyncEngine, EngineDead
 from tandem.worker.engine.sequence import SamplingParams
 from tandem.worker.server.metrics import Metrics, TokenTimer
@@ -76,7 +77,15 @@ class WorkerServer:
                            self.metrics.auth_refused)
         app.router.add_post("/drain", self.drain)
         app.router.add_get("/drain", self.drain_status)
+        if faults_enabled():   # tests only: TANDEM_FAULT_INJECTION=1
+            app.router.add_post("/fault/engine", self.fault_engine)
         return app
+
+    async def fault_engine(self, request: web.Request) -> web.Response:
+        """Test hook: make the engine thread die as a broken model would (the process then exits)."""
+        log.warning("fault injection: killing the engine thread")
+        self.aengine.inject_fault()
+        return web.json_response({"injected": "engine"})
 
     async def _startup(self, app) -> None:
         self.session = aiohttp.ClientSession()
@@ -204,6 +213,9 @@ class WorkerServer:
                     samples += out.logprobs
         except EngineDead as e:
             return json_error(str(e), 500)
+        if out.finish_reason == "error":
+            finish(out)
+            return json_error(f"the request failed: {out.error}", 500)
         finish(out)
         resp = web.json_response(builder.full(out.text, out.finish_reason, out.num_output_tokens, samples))
         if timer.ttft is not None:
@@ -222,6 +234,12 @@ class WorkerServer:
                 await resp.write(builder.role_chunk())
             async with contextlib.aclosing(_chain(first, gen)) as outs:
                 async for out in outs:
+                    if out.finish_reason == "error":
+                        finish(out)
+                        await resp.write(_error_event(f"the request failed: {out.error}"))
+                        await resp.write(builder.DONE)
+                        await resp.write_eof()
+                        return resp
                     if out.new_text:
                         timer.tick()
                     if out.new_text or out.finished or out.logprobs:
@@ -236,19 +254,26 @@ class WorkerServer:
             return resp
         except EngineDead as e:
             with contextlib.suppress(ConnectionResetError, aiohttp.ClientConnectionResetError):
-                await resp.write(b"data: " + json.dumps(error_body(str(e), 500, None, "server_error")).encode()
-                                 + b"\n\n")
+                await resp.write(_error_event(str(e)))
         return resp
 
     def _count(self, reason: str) -> None:
         self.metrics.requests.labels(**self.metrics.labels, finished_reason=reason).inc()
 
     def _finished(self, out, t0, timer, first) -> None:
+        if out.finish_reason == "error":   # counted, but its latencies are not the pool's
+            self._count("error")
+            return
         self.metrics.observe_request(timer.ttft, time.monotonic() - t0, out.num_output_tokens, timer.itls)
         if first.queue_time is not None:
             self.metrics.queue_time.observe(first.queue_time)
             self.metrics.prefill_time.observe(first.prefill_time)
         self._count(out.finish_reason)
+
+
+def _error_event(message: str) -> bytes:
+    """An SSE event carrying an OpenAI error object (``server_error``, 500)."""
+    return b"data: " + json.dumps(error_body(message, 500, None, "server_error")).encode() + b"\n\n"
 
 
 async def _chain(first, gen):

@@ -83,7 +83,7 @@ class Metrics:
             self.kv_transfer_bytes.labels(**self.labels, direction=direction)
         for endpoint in ENDPOINTS:
             self.auth_failures.labels(**self.labels, endpoint=endpoint)
-        for reason in ("stop", "length", "abort"):
+        for reason in ("stop", "length", "abort", "error"):
             self.requests.labels(**self.labels, finished_reason=reason)
         if role == "router":
             for decision in ("remote", "short_prompt", "decode_cached", "no_prefill_worker", "model_mismatch",
@@ -157,6 +157,9 @@ class _EngineCollector:
         yield counter("tandem:preemptions", "Sequences preempted (to be recomputed).", e.scheduler.num_preemptions)
         yield counter("tandem:local_prefill_fallbacks", "Remote prefills given up for a local prefill.",
                       st.local_prefill_fallbacks)
+        yield counter("tandem:request_errors", "Requests failed by an error in their own scheduling, model "
+                      "step, sampling or detokenizing (the engine went on with the others).",
+                      st.request_errors)
         aborts = CounterMetricFamily("tandem:request_aborts", "Requests aborted (client gone, transfer or "
                                      "engine failure), by the state they were in.", labels=names + ["state"])
         for state in ("queued", "awaiting_kv", "receiving_kv", "running"):

@@ -23,6 +23,7 @@ from aiohttp import web
 
 from tandem.worker.api import auth
 from tandem.worker.api.http import json_error, openai_app
+from tandem.worker.api.sampling import faults_enabled
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +91,8 @@ class StartingWorker:
         app = auth.install(openai_app(self, max_request_bytes), api_keys, pool_secret, self._refused)
         app.router.add_post("/drain", self.drain)
         app.router.add_get("/drain", self.drain_status)
+        if faults_enabled():   # tests only: TANDEM_FAULT_INJECTION=1 (WorkerServer.fault_engine)
+            app.router.add_post("/fault/engine", self.fault_engine)
         return app
 
     def _refused(self, what: str) -> None:
@@ -130,4 +133,5 @@ class StartingWorker:
     chat_completions = _delegate("chat_completions")
     drain = _delegate("drain")
     drain_status = _delegate("drain_status")
+    fault_engine = _delegate("fault_engine")
     del _delegate

@@ -76,6 +76,17 @@ class TransferError(RuntimeError):
     """A KV transfer failed (refused, broken connection, bad frame, or deadline passed)."""
 
 
+class RequestFailed(TransferError):
+    """The prefill worker refused or failed the request because of the request itself (a REJECT or
+    ERROR frame with ``request_error``): prefilling it locally would fail the same way, so the decode
+    worker fails it instead. ``field`` and ``status`` say how (``status`` 400: invalid, 500: it failed
+    in the engine)."""
+
+    def __init__(self, message: str, field: str | None = None, status: int = 500):
+        super().__init__(message)
+        self.field, self.status = field, status
+
+
 def encode_frame(ftype: FrameType, meta: dict, payload: bytes | memoryview = b"", mac=None) -> list:
     """The frame as buffers: header, JSON, payload (not copied). ``mac`` (a handshake.FrameMac) tags it."""
     body = json.dumps(meta, separators=(",", ":")).encode()

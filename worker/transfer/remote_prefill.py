@@ -19,7 +19,8 @@ from tandem.worker.engine.async_engine import AsyncEngine
 from tandem.worker.engine.llm_engine import RequestOutput
 from tandem.worker.engine.sampler import SampleResult
 from tandem.worker.engine.sequence import SamplingParams
-from tandem.worker.transfer.protocol import TransferError
+from tandem.worker.api.errors import InvalidRequestError
+from tandem.worker.transfer.protocol import RequestFailed, TransferError
 from tandem.worker.transfer.tcp import pull_kv
 
 log = logging.getLogger(__name__)
@@ -87,7 +88,9 @@ async def _pull(aengine: AsyncEngine, request_id: str, prompt_token_ids: list[in
                 prefill_peer: str, peers: PrefillPeers, metrics, deadline: float,
                 block_table: list[int]) -> RequestOutput | None:
     """Pull the prompt's KV from the peer into the reserved blocks; the first token's output, or None
-    when the transfer failed and the request was queued for a local prefill instead."""
+    when the transfer failed and the request was queued for a local prefill instead. A request the
+    peer refused as invalid raises InvalidRequestError; one that failed there ends in an "error"
+    output (no local fallback for either: :class:`RequestFailed`)."""
     engine = aengine.engine
     t0 = time.monotonic()
     try:
@@ -103,6 +106,13 @@ async def _pull(aengine: AsyncEngine, request_id: str, prompt_token_ids: list[in
         done, nbytes = await pull_kv(host, port, hello, on_blocks, deadline=deadline,
                                      max_payload=len(block_table) * engine.runner.block_bytes,
                                      secret=peers.secret)
+    except RequestFailed as e:
+        # the request itself failed on the peer: a local prefill would fail the same way (and, where
+        # the failure kills, kill this worker too), so the request fails here
+        log.warning("request %s failed on prefill worker %s: %s", request_id, prefill_peer, e)
+        if e.status == 400:
+            raise InvalidRequestError(e.field or "", str(e)) from None
+        return await aengine.call(engine.fail, request_id, f"on the prefill worker: {e}")
     except TransferError as e:
         log.warning("request %s: remote prefill failed, prefilling locally: %s", request_id, e)
         peers.forget(prefill_peer)

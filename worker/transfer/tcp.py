@@ -23,9 +23,9 @@ from tandem.worker.engine.async_engine import AsyncEngine, EngineDead
 from tandem.worker.engine.llm_engine import RequestOutput
 from tandem.worker.api.errors import InvalidRequestError
 from tandem.worker.transfer import handshake
-from tandem.worker.transfer.protocol import (HEADER, FrameReceiver, FrameType, TransferError, layout_mismatch,
-                                             parse_header, parse_json, payload_to_tensor, tensor_to_payload,
-                                             write_frame)
+from tandem.worker.transfer.protocol import (HEADER, FrameReceiver, FrameType, RequestFailed, TransferError,
+                                             layout_mismatch, parse_header, parse_json, payload_to_tensor,
+                                             tensor_to_payload, write_frame)
 from tandem.worker.transfer.protocol import hello_limit as protocol_hello_limit
 
 log = logging.getLogger(__name__)
@@ -184,10 +184,15 @@ class KVTransferServer:
                 await h.add(self.aengine.engine.add_request, rid, prompt_token_ids=meta.get("prompt_token_ids"),
                             params=meta.get("params"), kv_sink=kv_sink, stop_after_first_token=True)
             except InvalidRequestError as e:
-                await self._send(writer, FrameType.REJECT, {"message": str(e)})
+                await self._send(writer, FrameType.REJECT, {"message": e.message, "field": e.field,
+                                                            "status": e.status, "request_error": True})
                 return
             await self._send(writer, FrameType.ACCEPT, {"request_id": rid, **proof})
             async for item in h.outputs():
+                if isinstance(item, RequestOutput) and item.finish_reason == "error":
+                    await self._send(writer, FrameType.ERROR, {"message": item.error, "status": 500,
+                                                               "request_error": True}, mac=mac)
+                    return
                 if isinstance(item, RequestOutput):
                     lp = item.logprobs[0] if item.logprobs else None
                     await self._send(writer, FrameType.DONE, {
@@ -267,6 +272,9 @@ async def pull_kv(host: str, port: int, hello: dict,
             elif ftype == FrameType.DONE:
                 return meta, received
             elif ftype in (FrameType.REJECT, FrameType.ERROR):
+                if meta.get("request_error") is True:
+                    raise RequestFailed(str(meta.get("message")), meta.get("field"),
+                                        400 if meta.get("status") == 400 else 500)
                 raise TransferError(f"prefill worker {host}:{port} refused: {meta.get('message')}")
             else:
                 raise TransferError(f"unexpected {ftype.name} frame")

@@ -1,0 +1,50 @@
+"""Issue 24: an unexpected exception in any handler is an OpenAI-format JSON 500 whose request id is in
+the log beside its traceback, never aiohttp's plain-text page. The handler that raises is a stand-in
+(named as such): no real route raises on any input we know of, which is the point of the other fixes."""
+import asyncio
+import logging
+
+import aiohttp
+from aiohttp import web
+
+from tandem.worker.api.http import REQUEST_ID_HEADER, openai_app
+
+
+class RaisingHandlers:
+    """A stand-in for the router or a worker whose completions handler has a bug."""
+
+    async def completions(self, request):
+        raise KeyError("a bug")
+
+    chat_completions = completions
+
+    async def models(self, request):
+        return web.json_response({"data": []})
+
+    health = ready = metrics_route = models
+
+    async def _startup(self, app):
+        pass
+
+    _cleanup = _startup
+
+
+def test_an_unexpected_exception_is_a_json_500_with_a_logged_request_id(caplog):
+    async def run():
+        runner = web.AppRunner(openai_app(RaisingHandlers()))
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        try:
+            async with aiohttp.ClientSession() as s:
+                async with s.post(f"http://127.0.0.1:{port}/v1/completions", json={}) as r:
+                    return r.status, r.headers.get(REQUEST_ID_HEADER), await r.json()
+        finally:
+            await runner.cleanup()
+    with caplog.at_level(logging.ERROR):
+        status, rid, body = asyncio.run(run())
+    assert status == 500 and rid
+    assert body["error"]["type"] == "server_error" and rid in body["error"]["message"]
+    record = next(r for r in caplog.records if rid in r.getMessage())
+    assert record.exc_info and "a bug" in str(record.exc_info[1])
