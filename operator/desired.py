@@ -39,6 +39,9 @@ class Capabilities:
     gie_api_version: Optional[str] = None          # inference.networking.x-k8s.io/v1alpha2 or ...k8s.io/v1
     pod_deletion_cost: bool = False                # 1.21+
     network_policies: bool = True                  # networking.k8s.io/v1 networkpolicies
+    #: where the operator runs (its pod's POD_NAMESPACE): the pools' NetworkPolicies admit its pods from
+    #: that namespace only. None (tests, out of cluster): its pods from any namespace.
+    operator_namespace: Optional[str] = None
 
 
 def labels(pool: str, role: Optional[str] = None) -> dict[str, str]:
@@ -298,7 +301,8 @@ def desired_objects(pool: S.InferencePool, caps: Capabilities = Capabilities(),
         security.add_credentials(dep, pool, r, pool_secret_hash)
         objs.append(dep)
     if caps.network_policies:
-        objs += security.network_policies(pool, lambda name, role: _meta(pool, name, role))
+        objs += security.network_policies(pool, lambda name, role: _meta(pool, name, role),
+                                          caps.operator_namespace)
     objs += [pdb(pool, r, caps.pdb_api_version) for r in S.ROLES]
     if caps.service_monitor:
         objs.append(service_monitor(pool))

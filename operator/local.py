@@ -101,7 +101,9 @@ class LocalFleet:
         self.api_keys = local_api_keys(manifest, self.pool)
         self.host, self.router_port = host, router_port or free_port(host)
         self.out = log_stream or sys.stdout
-        self.dir = Path(tempfile.mkdtemp(prefix=f"tandem-{self.pool.metadata.name}-"))
+        remove_stale_dirs()
+        self.dir = Path(tempfile.mkdtemp(prefix=f"{FLEET_DIR_PREFIX}{self.pool.metadata.name}-"))
+        (self.dir / OWNER_FILE).write_text(str(os.getpid()))
         self.procs: list[Proc] = []
         self.secret_file = self.api_key_file = None
         if pool_secret:
@@ -340,6 +342,35 @@ class LocalFleet:
         req = urllib.request.Request(self.endpoint + "/v1/chat/completions", data=body, headers=headers)
         with urllib.request.urlopen(req, timeout=300) as r:
             return json.loads(r.read())["choices"][0]["message"]["content"]
+
+
+FLEET_DIR_PREFIX = "tandem-"
+#: the PID of the `tandem up` that made a fleet folder (credentials inside): a folder whose owner is gone
+#: (SIGKILLed, so ``stop`` never ran) is removed by the next fleet on the machine
+OWNER_FILE = "owner.pid"
+
+
+def remove_stale_dirs(tmp: str | None = None) -> list[Path]:
+    """Remove the fleet folders (pool secret, API keys, configs) of fleets whose process is gone; returns
+    them. Only folders with an :data:`OWNER_FILE` naming a dead process of this user are touched."""
+    removed = []
+    for d in Path(tmp or tempfile.gettempdir()).glob(FLEET_DIR_PREFIX + "*"):
+        try:
+            if not d.is_dir() or d.stat().st_uid != os.getuid():
+                continue
+            pid = int((d / OWNER_FILE).read_text())
+        except (OSError, ValueError):
+            continue
+        try:
+            os.kill(pid, 0)
+            continue   # alive
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue   # alive, another user's
+        shutil.rmtree(d, ignore_errors=True)
+        removed.append(d)
+    return removed
 
 
 def _private_file(path: Path, text: str) -> Path:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import os
 import threading
 import uuid
 from dataclasses import dataclass, field
@@ -119,7 +120,8 @@ class Reconciler:
         return D.Capabilities(pdb_api_version=k.pdb_api_version(),
                               service_monitor=k.has("monitoring.coreos.com/v1", "servicemonitors", ttl=10),
                               gie_api_version=gie, pod_deletion_cost=False,
-                              network_policies=k.has("networking.k8s.io/v1", "networkpolicies", ttl=10))
+                              network_policies=k.has("networking.k8s.io/v1", "networkpolicies", ttl=10),
+                              operator_namespace=os.environ.get("POD_NAMESPACE") or None)
 
     # ---- events ---------------------------------------------------------------------------------
     def event(self, body: dict, reason: str, message: str, type_: str = "Normal") -> None:

@@ -78,9 +78,15 @@ def _peer(p: S.PolicyPeer) -> dict[str, Any]:
     return out
 
 
-def network_policies(pool: S.InferencePool, meta) -> list[dict[str, Any]]:
+#: the label the API server puts on every namespace (Kubernetes 1.21+): a namespace by name
+NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
+
+
+def network_policies(pool: S.InferencePool, meta, operator_namespace: Optional[str] = None) -> list[dict[str, Any]]:
     """The pool's NetworkPolicies (``meta(name, role)``: desired.py's child metadata). Empty when
-    ``spec.networkPolicy.enabled`` is false."""
+    ``spec.networkPolicy.enabled`` is false. The operator's pods are admitted from
+    ``operator_namespace`` only (by its name label: a pod label alone anyone may set), or from any
+    namespace when it is None."""
     np = pool.spec.networkPolicy
     if not np.enabled:
         return []
@@ -90,7 +96,8 @@ def network_policies(pool: S.InferencePool, meta) -> list[dict[str, Any]]:
     router = {"podSelector": {"matchLabels": selector(name, "router")}}
     http = {"protocol": "TCP", "port": S.WORKER_PORT}
     kv = {"protocol": "TCP", "port": KV_PORT}
-    operator = {"namespaceSelector": {}, "podSelector": {"matchLabels": dict(OPERATOR_POD_LABELS)}}
+    operator = {"namespaceSelector": {"matchLabels": {NAMESPACE_NAME_LABEL: operator_namespace}}
+                if operator_namespace else {}, "podSelector": {"matchLabels": dict(OPERATOR_POD_LABELS)}}
     worker_rules = [
         {"from": [router, {"podSelector": workers}], "ports": [http, kv]},
         {"from": [operator, *(_peer(p) for p in np.workersFrom)], "ports": [http]},

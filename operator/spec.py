@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
@@ -256,9 +257,47 @@ def _gpus(role: RoleSpec) -> int:
     return parse_quantity(q) if q is not None else 0
 
 
-def cross_field_problems(spec: InferencePoolSpec) -> list[tuple[str, str]]:
-    """Rules that span fields. Returns (field path, message) pairs; empty when the spec is sound."""
+#: the installation's allowlists (the chart's ``security.*`` values, docs/security.md "Who may create
+#: pools"): comma-separated prefixes; unset (``tandem up``, tests run out of cluster) allows anything
+ALLOWED_IMAGES_ENV = "TANDEM_ALLOWED_IMAGE_PREFIXES"
+ALLOWED_METRICS_URLS_ENV = "TANDEM_ALLOWED_METRICS_URL_PREFIXES"
+
+
+def _allowed(value: str, prefixes: list[str]) -> bool:
+    """Whether ``value`` starts with one of ``prefixes`` at a boundary: a prefix that does not end in a
+    separator must be followed by one, so ``http://prom:9090`` does not admit ``http://prom:9090.evil``."""
+    for p in prefixes:
+        if value == p or (value.startswith(p) and (p[-1] in "/:@" or value[len(p)] in "/:@?#")):
+            return True
+    return False
+
+
+def installation_problems(spec: InferencePoolSpec, env=None) -> list[tuple[str, str]]:
+    """What the operator's installation forbids: an image outside ``TANDEM_ALLOWED_IMAGE_PREFIXES``
+    (whoever may create a pool runs its image with the Secrets it names mounted), a metrics URL outside
+    ``TANDEM_ALLOWED_METRICS_URL_PREFIXES`` (the operator GETs it). Each variable unset: no limit."""
+    env = os.environ if env is None else env
     out: list[tuple[str, str]] = []
+    images = env.get(ALLOWED_IMAGES_ENV)
+    if images is not None:
+        allowed = [p.strip() for p in images.split(",") if p.strip()]
+        if not _allowed(spec.engine.image, allowed):
+            out.append(("spec.engine.image", f"{spec.engine.image!r} is not an allowed image here (the operator "
+                                             f"allows images under {allowed}: chart value security.allowedImagePrefixes)"))
+    urls, url = env.get(ALLOWED_METRICS_URLS_ENV), spec.autoscaling.metrics.url
+    if urls is not None and url:
+        allowed = [p.strip() for p in urls.split(",") if p.strip()]
+        if not _allowed(url, allowed):
+            out.append(("spec.autoscaling.metrics.url", f"{url!r} is not an allowed metrics URL here (the operator "
+                                                        f"allows {allowed or 'none'}: chart value "
+                                                        f"security.allowedMetricsURLPrefixes)"))
+    return out
+
+
+def cross_field_problems(spec: InferencePoolSpec) -> list[tuple[str, str]]:
+    """Rules that span fields, and the installation's allowlists (:func:`installation_problems`).
+    Returns (field path, message) pairs; empty when the spec is sound."""
+    out: list[tuple[str, str]] = installation_problems(spec)
     src = spec.model.source
     given = [k for k in ("package", "path", "pvc") if getattr(src, k) is not None]
     if len(given) == 0:

@@ -98,8 +98,10 @@ def ensure_certs(outdir: str | Path, hosts: list[str], kube: Optional[Kube] = No
         ca, crt, key = make_certs(hosts)
         data = {"ca.crt": ca, "tls.crt": crt, "tls.key": key}
     for k, v in data.items():
-        (out / k).write_bytes(v)
-    os.chmod(out / "tls.key", 0o600)
+        # the key is 0600 from creation (a chmod after writing leaves a moment it is readable)
+        fd = os.open(out / k, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if k == "tls.key" else 0o644)
+        with os.fdopen(fd, "wb") as f:
+            f.write(v)
     return out / "ca.crt", out / "tls.crt", out / "tls.key"
 
 

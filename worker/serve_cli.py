@@ -11,6 +11,7 @@ import sys
 from aiohttp import web
 
 from tandem.worker.api.http import DEFAULT_MAX_REQUEST_BYTES
+from tandem.worker.server.site import DEFAULT_KEEPALIVE_SECONDS, DEFAULT_MAX_CONNECTIONS
 
 log = logging.getLogger("tandem.serve")
 
@@ -64,17 +65,23 @@ def engine_config(cfg):
                         model_name=cfg.model.name, **kw)
 
 
-async def _run_site(app: web.Application, host: str, port: int, on_signal, background=None) -> None:
-    """Serve ``app`` until ``on_signal(stop)`` (SIGTERM, SIGINT) sets ``stop``; ``background(stop)``
-    runs beside it (the worker's engine startup)."""
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+async def _run_site(app: web.Application, args, on_signal, background=None) -> None:
+    """Serve ``app`` on ``args.host:args.port`` until ``on_signal(stop)`` (SIGTERM, SIGINT) sets
+    ``stop``; ``background(stop)`` runs beside it (the worker's engine startup). Idle connections close
+    after ``args.keepalive_timeout`` seconds, and at most ``args.max_connections`` are open
+    (tandem.worker.server.site)."""
+    from tandem.worker.server.site import CappedTCPSite, connection_limit
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                           keepalive_timeout=args.keepalive_timeout)
     await runner.setup()
-    await web.TCPSite(runner, host, port).start()
+    limit = connection_limit(args.max_connections)
+    await CappedTCPSite(runner, args.host, args.port, limit).start()
+    log.info("HTTP: at most %d connections, idle ones closed after %.0f s", limit, args.keepalive_timeout)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda: asyncio.ensure_future(on_signal(stop)))
-    print(f"tandem serve: listening on http://{host}:{port}", flush=True)
+    print(f"tandem serve: listening on http://{args.host}:{args.port}", flush=True)
     task = asyncio.ensure_future(background(stop)) if background is not None else None
     await stop.wait()
     if task is not None and not task.done():
@@ -142,7 +149,7 @@ async def _serve_worker(args, cfg) -> None:
         await front.attach(server)
         status.ready()
 
-    await _run_site(front.app(args.max_request_bytes, args.api_keys, args.pool_secret), args.host, args.port,
+    await _run_site(front.app(args.max_request_bytes, args.api_keys, args.pool_secret), args,
                     on_signal, start_engine)
     if "error" in state:   # the load failed: exit with its error (the termination message names it)
         raise state["error"]
@@ -184,7 +191,7 @@ async def _serve_router(args, cfg) -> None:
     async def on_signal(stop: asyncio.Event) -> None:
         stop.set()
 
-    await _run_site(router.app(), args.host, args.port, on_signal)
+    await _run_site(router.app(), args, on_signal)
 
 
 def _write_termination_message(message: str) -> None:
@@ -243,6 +250,11 @@ def add_serve_command(sub) -> None:
                    help="seconds SIGTERM waits for in-flight requests before exiting")
     s.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                    help=f"the largest request body accepted; larger ones get 413 (default {DEFAULT_MAX_REQUEST_BYTES})")
+    s.add_argument("--keepalive-timeout", type=float, default=DEFAULT_KEEPALIVE_SECONDS, metavar="SECONDS",
+                   help=f"close a connection idle this long (default {DEFAULT_KEEPALIVE_SECONDS:.0f})")
+    s.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
+                   help=f"the most open HTTP connections, lowered to fit the file descriptor limit; at the "
+                        f"limit the oldest idle ones are closed (default {DEFAULT_MAX_CONNECTIONS})")
     s.add_argument("--api-key-file", default=None, metavar="PATH",
                    help="client API keys (Authorization: Bearer): a file, or a folder whose every file holds "
                         "keys, one per line (a mounted Secret). Also: TANDEM_API_KEY_FILE, TANDEM_API_KEYS")

@@ -240,11 +240,11 @@ class KubeAutoscaler:
         routers = [p for p in pods if p["metadata"].get("labels", {}).get(D.LABEL_ROLE) == "router"
                    and _ready(p) and (p.get("status") or {}).get("podIP")]
         seconds = 3 * self.interval_s if on else 0.0
-        headers = self._pool_headers(ns, name) if routers else {}   # one Secret read per tick, not per router
+        secret = self._pool_secret(ns, name) if routers else None   # one Secret read per tick, not per router
         ok = True
         for p in routers:
-            try:
-                push_absorb_bursts(self._url(p), seconds, headers=headers)
+            try:   # a token per request: each is accepted once
+                push_absorb_bursts(self._url(p), seconds, headers=pool_headers(secret))
             except (OSError, ValueError) as e:
                 ok = False
                 log.warning("autoscaler: %s/%s: router %s: absorb-bursts: %s", ns, name, p["metadata"]["name"], e)
@@ -288,12 +288,16 @@ class KubeAutoscaler:
         self.kube.merge_patch(object_path("apps/v1", "deployments", ns, S.service_name(name, role)),
                               {"spec": {"replicas": n}})
 
-    def _pool_headers(self, ns: str, name: str) -> dict:
-        """The pool token for a worker's POST /drain, from the pool's Secret (none: an empty dict, and a
-        worker that requires one refuses the drain, which is logged and retried next tick)."""
+    def _pool_secret(self, ns: str, name: str) -> bytes | None:
+        """The pool's secret, from its Secret (None when there is none)."""
         secret = self.kube.get(object_path("v1", "secrets", ns, pool_secret_name(name))) or {}
         value = (secret.get("data") or {}).get(SECRET_KEY)
-        return pool_headers(base64.b64decode(value).strip()) if value else {}
+        return base64.b64decode(value).strip() if value else None
+
+    def _pool_headers(self, ns: str, name: str) -> dict:
+        """A fresh pool token for a worker's POST /drain (none: an empty dict, and a worker that
+        requires one refuses the drain, which is logged and retried next tick)."""
+        return pool_headers(self._pool_secret(ns, name))
 
     def _drain(self, body: dict, pool: S.InferencePool, st: _PoolState, role: str, pod: dict, reason: str) -> None:
         ns, name, pname = pool.metadata.namespace, pool.metadata.name, pod["metadata"]["name"]

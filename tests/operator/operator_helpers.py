@@ -62,7 +62,9 @@ def render_chart(helm_bin: str, *sets: str) -> str:
             "--set", "resyncSeconds=5", "--set", "image.repository=local/tandem-operator",
             # the autoscaler's windows short enough for tests (test manifests keep theirs <= 20 s)
             "--set", "autoscaler.intervalSeconds=2", "--set", "autoscaler.windowSeconds=10",
-            "--set", "autoscaler.leaseDurationSeconds=8"]
+            "--set", "autoscaler.leaseDurationSeconds=8",
+            # the test pools' images: the mock worker's (local/) besides the chart's default registry
+            "--set", "security.allowedImagePrefixes={local/,ghcr.io/tandem-fleet/}"]
     for s in sets:
         args += ["--set", s]
     return subprocess.run(args, check=True, capture_output=True, text=True).stdout

@@ -146,3 +146,40 @@ def test_the_charts_operator_pod_is_hardened_and_its_webhook_fenced(helm_bin):
     assert np["spec"]["podSelector"]["matchLabels"] == dep["spec"]["selector"]["matchLabels"]
     webhook = next(r for r in np["spec"]["ingress"] if r["ports"][0]["port"] == 9443)
     assert webhook["from"] == [{"ipBlock": {"cidr": "0.0.0.0/0"}}]   # the values' default; narrowed per cluster
+
+
+def test_the_operator_is_admitted_from_its_own_namespace_only():
+    """Running in a pod (POD_NAMESPACE known), the operator's peer in the workers' policy names its
+    namespace: a pod elsewhere that copies the operator's labels is not admitted (before the fix: any
+    namespace, with a label anyone may put on a pod)."""
+    p = pool()
+    objs = {o["metadata"]["name"]: o for o in D.desired_objects(p, D.Capabilities(operator_namespace="tandem-system"))
+            if o["kind"] == "NetworkPolicy"}
+    _, others = objs["smollm2-workers"]["spec"]["ingress"]
+    assert {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "tandem-system"}},
+            "podSelector": {"matchLabels": SEC.OPERATOR_POD_LABELS}} in others["from"]
+    assert not any(f.get("namespaceSelector") == {} for f in others["from"])
+
+
+def test_the_installation_allows_only_its_images_and_metrics_urls(monkeypatch, helm_bin):
+    """The chart's allowlists reach the operator (env) and refuse, with the field named, a pool whose
+    image or metrics URL is outside them (the webhook and the reconciler share this check); a prefix
+    admits only at a boundary. Before the fix any image and any URL was taken."""
+    import subprocess
+    from tandem.operator import spec as S
+    rendered = subprocess.run([helm_bin, "template", "t", str(Path(__file__).parents[2] / "charts/tandem-operator")],
+                              check=True, capture_output=True, text=True).stdout
+    default = next(d for d in yaml.safe_load_all(rendered) if d and d["kind"] == "Deployment")
+    env = {e["name"]: e.get("value") for e in default["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env[S.ALLOWED_IMAGES_ENV] == "ghcr.io/tandem-fleet/" and env[S.ALLOWED_METRICS_URLS_ENV] == ""
+    monkeypatch.setenv(S.ALLOWED_IMAGES_ENV, env[S.ALLOWED_IMAGES_ENV])
+    monkeypatch.setenv(S.ALLOWED_METRICS_URLS_ENV, "http://prom.monitoring.svc:9090")
+    pool()   # the example's image is the chart's own
+    for image in ("evil.io/miner:1", "ghcr.io/tandem-fleetx/worker:1"):
+        with pytest.raises(SpecError, match=r"spec.engine.image"):
+            pool(lambda d: d["spec"].setdefault("engine", {}).update(image=image))
+    ok = {"source": "prometheus", "url": "http://prom.monitoring.svc:9090/"}
+    pool(lambda d: d["spec"].setdefault("autoscaling", {}).update(metrics=ok))
+    for url in ("http://169.254.169.254/latest/meta-data", "http://prom.monitoring.svc:9090.evil.io/"):
+        with pytest.raises(SpecError, match=r"spec.autoscaling.metrics.url"):
+            pool(lambda d: d["spec"].setdefault("autoscaling", {}).update(metrics={"source": "prometheus", "url": url}))

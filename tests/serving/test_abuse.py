@@ -105,7 +105,8 @@ class StallingPrefillPeer:
             async def main():
                 async def handle(reader, writer):
                     write_frame(writer, FrameType.CHALLENGE, {"nonce": "0" * 32})
-                    _, hello, _ = await read_frame(reader, max_payload=0)
+                    _, _, body = await read_frame(reader, max_payload=1 << 24)
+                    hello = json.loads(body)
                     lay = hello["layout"]
                     write_frame(writer, FrameType.ACCEPT, {})
                     if self.blocks:

@@ -2,6 +2,7 @@
 process): the decoded output equals a local run, the decode worker computes no prompt token, and every
 failure path frees every block on both sides."""
 import asyncio
+import json
 import time
 
 import pytest
@@ -10,7 +11,7 @@ from tandem.worker.engine.async_engine import AsyncEngine
 from tandem.worker.engine.config import EngineConfig
 from tandem.worker.engine.llm_engine import LLMEngine
 from tandem.worker.engine.sequence import SamplingParams
-from tandem.worker.transfer import remote_prefill
+from tandem.worker.transfer import handshake, remote_prefill
 from tandem.worker.transfer.protocol import HEADER, MAGIC, FrameType, TransferError, read_frame, write_frame
 from tandem.worker.transfer.tcp import KVTransferServer, pull_kv
 
@@ -32,6 +33,13 @@ class FixedPeers:
 
     def forget(self, url):
         pass
+
+
+def write_hello(writer, hello: dict) -> None:
+    """A HELLO as the decode side sends it to a worker without a pool secret (the proof part then
+    only names the body's size and hash)."""
+    body = json.dumps(hello).encode()
+    write_frame(writer, FrameType.HELLO, handshake.hello_proof(None, "", body), body)
 
 
 def engines(path, **kw):
@@ -177,7 +185,7 @@ def test_transfer_deadline_holds_against_a_peer_that_trickles_frames():
     async def main():
         async def trickle(reader, writer):
             write_frame(writer, FrameType.CHALLENGE, {"nonce": "0" * 32})
-            await read_frame(reader, max_payload=0)
+            await read_frame(reader, max_payload=1 << 20)
             write_frame(writer, FrameType.ACCEPT, {})
             while True:
                 write_frame(writer, FrameType.BLOCKS, {"first_block": 0, "shape": [0], "dtype": "torch.float32"})
@@ -200,8 +208,8 @@ def test_frame_lengths_from_the_peer_are_bounded_before_allocation():
     async def main():
         async def liar(reader, writer):
             write_frame(writer, FrameType.CHALLENGE, {"nonce": "0" * 32})
-            await read_frame(reader, max_payload=0)
-            writer.write(HEADER.pack(MAGIC, int(FrameType.BLOCKS), 2, 2**40) + b"{}")
+            await read_frame(reader, max_payload=1 << 20)
+            writer.write(HEADER.pack(MAGIC, int(FrameType.BLOCKS), 2, 2**40, bytes(32)) + b"{}")
             await writer.drain()
             await asyncio.sleep(5)
         srv = await asyncio.start_server(liar, "127.0.0.1", 0)
@@ -223,8 +231,7 @@ def test_kv_server_frees_everything_when_add_request_fails_unexpectedly(tiny_lla
         server = KVTransferServer(pa, pe.kv_layout())
         port = await server.start("127.0.0.1", 0)
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        write_frame(writer, FrameType.HELLO, {"layout": pe.kv_layout(), "prompt_token_ids": [[1], [2]],
-                                              "params": {"max_tokens": 1}})
+        write_hello(writer, {"layout": pe.kv_layout(), "prompt_token_ids": [[1], [2]], "params": {"max_tokens": 1}})
         await writer.drain()
         assert (await read_frame(reader, max_payload=0))[0] == FrameType.CHALLENGE
         assert await asyncio.wait_for(reader.read(), 10) == b""   # closed without an answer
@@ -249,8 +256,8 @@ def test_decode_leaving_mid_prefill_aborts_the_prefill_at_once(tiny_llama):
         server = KVTransferServer(pa, pe.kv_layout())
         port = await server.start("127.0.0.1", 0)
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        write_frame(writer, FrameType.HELLO, {"layout": pe.kv_layout(), "prompt_token_ids": [i % 300 + 1 for i in range(480)],
-                                              "params": {"max_tokens": 1}})
+        write_hello(writer, {"layout": pe.kv_layout(), "prompt_token_ids": [i % 300 + 1 for i in range(480)],
+                             "params": {"max_tokens": 1}})
         await writer.drain()
         assert (await read_frame(reader, max_payload=0))[0] == FrameType.CHALLENGE
         assert (await read_frame(reader, max_payload=0))[0] == FrameType.ACCEPT

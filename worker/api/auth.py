@@ -9,9 +9,11 @@ Two credentials, checked by one aiohttp middleware (:func:`auth_middleware`):
   Secret takes effect without a restart.
 - **The pool secret**: random bytes every process of one pool shares (the operator's per-pool Secret,
   or a file ``tandem up`` writes). The router proves it to a worker with the header
-  ``X-Tandem-Pool-Token``, which carries ``HMAC-SHA256(secret, "tandem-pool-token-v1")`` rather than
-  the secret itself (the KV transfer handshake, tandem.worker.transfer.tcp, keys its
-  challenge-response on the secret). It comes from ``TANDEM_POOL_SECRET_FILE`` or ``TANDEM_POOL_SECRET``.
+  ``X-Tandem-Pool-Token``: a fresh token per request (time, nonce, HMAC under a key derived from the
+  secret for this purpose only), accepted once within a minute of its time (:class:`TokenVerifier`),
+  so a token seen on the wire cannot be used again. The KV transfer handshake
+  (tandem.worker.transfer.handshake) uses keys of its own, derived from the same secret. It comes from
+  ``TANDEM_POOL_SECRET_FILE`` or ``TANDEM_POOL_SECRET``.
 
 A protected request passes with a valid API key or a valid pool token; with neither credential
 configured the process is open (as before). ``/health``, ``/ready``, ``/metrics`` and ``GET /drain``
@@ -26,7 +28,9 @@ import hmac
 import logging
 import os
 import re
+import secrets
 import time
+from collections import OrderedDict
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -50,7 +54,6 @@ ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/drain", 
 #: paths only the pool may call (the operator's control of a router): the pool token, never an API key;
 #: their handlers check it (:func:`pool_only`), since a router's middleware takes API keys alone
 POOL_ONLY_PATHS = frozenset({"/absorb-bursts"})
-_TOKEN_CONTEXT = b"tandem-pool-token-v1"
 _SPLIT = re.compile(r"[\s,]+")
 
 
@@ -65,7 +68,8 @@ def parse_keys(text: str) -> list[str]:
 
 class KeyStore:
     """The accepted API keys, from a literal list and/or a file or folder (re-read every
-    ``reload_seconds``, so a rotated Kubernetes Secret applies without a restart).
+    ``reload_seconds``, so a rotated Kubernetes Secret applies without a restart; a key removed, or
+    the file deleted, is refused from the next reload on).
 
     Raises AuthConfigError when the file or folder is missing or holds no key."""
 
@@ -79,11 +83,18 @@ class KeyStore:
         if not self._keys:
             raise AuthConfigError(f"no API key in {self.path or 'the given list'}")
 
-    def _load(self) -> None:
+    def _load(self, first: bool = True) -> None:
         keys = list(self.literal)
         if self.path is not None:
             if not self.path.exists():
-                raise AuthConfigError(f"API key file {self.path} does not exist")
+                if first:
+                    raise AuthConfigError(f"API key file {self.path} does not exist")
+                # deleted: its keys are revoked (fail closed; a Kubernetes Secret volume swaps its
+                # files atomically, so a mounted folder is never missing mid-update)
+                log.warning("API key file %s is gone: its keys are no longer accepted", self.path)
+                self._keys = [k.encode() for k in keys]
+                self._loaded_at = time.monotonic()
+                return
             files = ([p for p in sorted(self.path.iterdir()) if p.is_file() and not p.name.startswith(".")]
                      if self.path.is_dir() else [self.path])
             for f in files:
@@ -99,10 +110,10 @@ class KeyStore:
         """Whether ``presented`` is one of the keys; every key is compared (constant time each)."""
         if self.path is not None and time.monotonic() - self._loaded_at > self.reload_seconds:
             try:
-                self._load()
-            except (OSError, AuthConfigError) as e:   # keep the last good set (a Secret mid-update)
+                self._load(first=False)
+            except OSError as e:   # unreadable for a moment: keep the last set
                 log.warning("API keys not reloaded: %s", e)
-        p = presented.encode()
+        p = _header_bytes(presented)
         ok = False
         for k in self._keys:
             ok |= hmac.compare_digest(p, k)
@@ -137,13 +148,67 @@ def load_pool_secret(env=os.environ, path: Optional[str] = None) -> Optional[byt
     return data
 
 
-def pool_token(secret: bytes) -> str:
-    """The value of ``X-Tandem-Pool-Token`` for a pool secret: hex HMAC-SHA256 (64 characters)."""
-    return hmac.new(secret, _TOKEN_CONTEXT, hashlib.sha256).hexdigest()
+#: seconds a pool token stays valid either side of its timestamp (clock skew between nodes included)
+TOKEN_WINDOW_SECONDS = 60
+_TOKEN_RE = re.compile(r"(\d{1,12}):([0-9a-f]{32}):([0-9a-f]{64})")
+
+
+def token_key(secret: bytes) -> bytes:
+    """The key pool tokens are made with: HKDF of the pool secret for this purpose alone (not the KV
+    handshake's keys, tandem.worker.transfer.handshake)."""
+    from tandem.worker.transfer.handshake import ROUTER_TOKEN, derive
+    return derive(secret, ROUTER_TOKEN)
+
+
+def pool_token(secret: bytes, now: Optional[float] = None) -> str:
+    """A fresh value of ``X-Tandem-Pool-Token``: ``<unix time>:<128-bit nonce>:<HMAC-SHA256>`` of the
+    first two under :func:`token_key`. Each is accepted once, within ``TOKEN_WINDOW_SECONDS`` of its
+    time (:class:`TokenVerifier`): make one per request."""
+    ts, nonce = str(int(time.time() if now is None else now)), secrets.token_hex(16)
+    return f"{ts}:{nonce}:{hmac.new(token_key(secret), f'{ts}:{nonce}'.encode(), hashlib.sha256).hexdigest()}"
+
+
+class TokenVerifier:
+    """Checks pool tokens: the MAC, the time window, and that the nonce was not seen before (a replay
+    cache holding each nonce until its token expires, at most ``max_entries``, oldest dropped first)."""
+
+    def __init__(self, secret: bytes, window: float = TOKEN_WINDOW_SECONDS, max_entries: int = 1_000_000):
+        self.key, self.window, self.max_entries = token_key(secret), window, max_entries
+        self.seen: "OrderedDict[str, float]" = OrderedDict()
+
+    def check(self, presented: str, now: Optional[float] = None) -> bool:
+        now = time.time() if now is None else now
+        m = _TOKEN_RE.fullmatch(presented)
+        if m is None:
+            return False
+        ts, nonce, mac = m.groups()
+        want = hmac.new(self.key, f"{ts}:{nonce}".encode(), hashlib.sha256).hexdigest()
+        if not hmac.compare_digest(want, mac) or abs(now - int(ts)) > self.window:
+            return False
+        while self.seen and next(iter(self.seen.values())) < now:
+            self.seen.popitem(last=False)
+        if nonce in self.seen:
+            log.warning("a replayed pool token was refused")
+            return False
+        self.seen[nonce] = int(ts) + self.window
+        if len(self.seen) > self.max_entries:
+            self.seen.popitem(last=False)
+        return True
+
+
+_verifiers: dict[bytes, TokenVerifier] = {}
+
+
+def verifier_for(secret: bytes) -> TokenVerifier:
+    """This process's verifier (one replay cache) for a pool secret."""
+    if secret not in _verifiers:
+        _verifiers[secret] = TokenVerifier(secret)
+    return _verifiers[secret]
 
 
 def pool_headers(secret: Optional[bytes]) -> dict[str, str]:
-    """The headers a process of the pool sends to a worker (empty without a secret)."""
+    """The headers a process of the pool sends to a worker (empty without a secret), with a fresh token:
+    call it for every request."""
     return {POOL_TOKEN_HEADER: pool_token(secret)} if secret else {}
 
 
@@ -161,10 +226,15 @@ def is_open(request: web.Request) -> bool:
 
 
 def pool_only(request: web.Request, secret: Optional[bytes],
-              on_refused: Optional[Callable[[str], None]] = None) -> Optional[web.Response]:
-    """None when ``request`` carries the pool token of ``secret`` (or the pool has no secret: an open
-    local fleet); otherwise the 401 to send, counted by ``on_refused``. An API key never passes."""
-    if secret is None or _has_token(request, pool_token(secret).encode()):
+              on_refused: Optional[Callable[[str], None]] = None,
+              keys: Optional[KeyStore] = None) -> Optional[web.Response]:
+    """None when ``request`` carries the pool token of ``secret`` (or the process has no credential at
+    all: an open local fleet); otherwise the 401 to send, counted by ``on_refused``. An API key never
+    passes, and a process with API keys but no pool secret refuses every call (nothing could prove
+    to be the pool)."""
+    if secret is None and keys is None:
+        return None
+    if secret is not None and _has_token(request, verifier_for(secret)):
         return None
     if on_refused is not None:
         on_refused(request.path if request.path in ENDPOINTS else "other")
@@ -172,10 +242,26 @@ def pool_only(request: web.Request, secret: Optional[bytes],
                                         None, "invalid_request_error"), status=401)
 
 
-def _has_token(request: web.Request, token: bytes) -> bool:
-    """Whether ``request`` carries ``token`` in :data:`POOL_TOKEN_HEADER` (constant-time compare)."""
+FROM_POOL = "tandem.from_pool"
+
+
+def from_pool(request: web.Request, secret: Optional[bytes]) -> bool:
+    """Whether ``request`` came from a process of the pool: it carried a valid pool token, or the
+    process has no pool secret (an open local fleet). A client's API key is not the pool: what only
+    the router may ask (naming a prefill peer) is ignored on such a request."""
+    return secret is None or bool(request.get(FROM_POOL))
+
+
+def _has_token(request: web.Request, verifier: TokenVerifier) -> bool:
+    """Whether ``request`` carries a valid, unused token in :data:`POOL_TOKEN_HEADER`."""
     presented = request.headers.get(POOL_TOKEN_HEADER)
-    return presented is not None and hmac.compare_digest(presented.encode(), token)
+    return presented is not None and verifier.check(presented)
+
+
+def _header_bytes(value: str) -> bytes:
+    """A header value as the bytes the client sent: aiohttp decodes them as UTF-8 with surrogateescape,
+    so a non-UTF-8 credential must not raise (a 500, uncounted) but compare unequal (a 401, counted)."""
+    return value.encode("utf-8", "surrogateescape")
 
 
 def auth_middleware(keys: Optional[KeyStore], secret: Optional[bytes],
@@ -185,13 +271,14 @@ def auth_middleware(keys: Optional[KeyStore], secret: Optional[bytes],
     Returns None when neither credential is configured (nothing to check)."""
     if keys is None and secret is None:
         return None
-    token = pool_token(secret).encode() if secret else None
+    verifier = verifier_for(secret) if secret else None
 
     @web.middleware
     async def check(request: web.Request, handler):
         if is_open(request):
             return await handler(request)
-        if token is not None and _has_token(request, token):
+        if verifier is not None and _has_token(request, verifier):
+            request[FROM_POOL] = True
             return await handler(request)
         bearer = _bearer(request)
         if keys is not None and bearer is not None and keys.check(bearer):

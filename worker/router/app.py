@@ -95,7 +95,6 @@ class Router:
         self.stream_idle_timeout = stream_idle_timeout
         self.metrics = Metrics("router", pool)
         self.api_keys = api_keys
-        self.worker_headers = auth.pool_headers(pool_secret)
         self.pool_secret = pool_secret
         self.absorb_until = 0.0                    # monotonic time until which bursts prefill on decode
         self.workers: dict[str, WorkerState] = {}
@@ -116,7 +115,7 @@ class Router:
         headroom for the next ``s`` seconds (0 stops), as the autoscaler's decision asks while new
         prefill replicas start (operator/autoscaler/kube_loop.py; the local fleet uses its discovery
         file instead). Bounded to an hour; it lapses by itself, so a dead operator leaves nothing on."""
-        refused = auth.pool_only(request, self.pool_secret, self.metrics.auth_refused)
+        refused = auth.pool_only(request, self.pool_secret, self.metrics.auth_refused, self.api_keys)
         if refused is not None:
             return refused
         try:
@@ -299,7 +298,7 @@ class Router:
                 self._log_refusals(d)
                 hashes = hashes_for(d.decode)
                 place = "remote" if d.prefill is not None else "local"
-                headers = {"Content-Type": "application/json", **self.worker_headers}
+                headers = {"Content-Type": "application/json", **auth.pool_headers(self.pool_secret)}
                 if d.prefill is not None:
                     headers[PREFILL_PEER_HEADER] = d.prefill.url
                 with _Load(d) as load:

@@ -166,7 +166,9 @@ class WorkerServer:
             except InvalidRequestError as e:
                 return json_error(str(e), e.status, e.field)
             rid = self.aengine.new_request_id("chat" if chat else "cmpl")
-            peer = request.headers.get(PREFILL_PEER_HEADER) if self.role == "decode" else None
+            # only the router names prefill peers (a pool token, not a client's API key)
+            peer = request.headers.get(PREFILL_PEER_HEADER) \
+                if self.role == "decode" and auth.from_pool(request, self.pool_secret) else None
             gen = remote_prefill.generate(self.aengine, rid, ids, params, peer, self.peers, self.metrics,
                                           deadline=self.transfer_deadline)
             # aclosing: however this handler ends (finished, client gone, cancelled), the generator

@@ -1,18 +1,21 @@
 """The KV transfer wire format: length-prefixed frames of JSON metadata plus an optional binary payload.
 
-A frame is ``magic (4 bytes, b"TKV1") | type (u8) | json length (u32) | payload length (u64)``, little
-endian, then the JSON and the payload. One connection carries one transfer:
+A frame is ``magic (4 bytes, b"TKV2") | type (u8) | json length (u32) | payload length (u64) | tag
+(32 bytes)``, little endian, then the JSON and the payload. One connection carries one transfer:
 
     prefill -> decode   CHALLENGE {nonce}                        (as soon as the connection opens)
-    decode -> prefill   HELLO   {layout, request_id, prompt_token_ids, params, auth?}
+    decode -> prefill   HELLO   {proof} + payload: the HELLO body {layout, request_id, prompt_token_ids, params}
     prefill -> decode   ACCEPT  {request_id, auth?} | REJECT {message}
     prefill -> decode   BLOCKS  {first_block, shape, dtype} + raw KV bytes   (repeated, as chunks finish)
     prefill -> decode   DONE    {token_id, logprob, top_logprobs}  | ERROR {message}
 
+The HELLO's JSON part is only its proof (:mod:`tandem.worker.transfer.handshake`, at most
+``PROOF_MAX_JSON`` bytes); the body travels as the payload and is read, hashed and parsed only after
+the proof is checked, and only up to the prefill worker's :func:`hello_limit`. With a pool secret the
+frames after ACCEPT carry a tag (HMAC) checked before they are used; otherwise the tag is zeros.
+
 The layout (model fingerprint, dtype, block size, layer count, KV heads, head dim) must match exactly,
-or the prefill worker refuses with a message that names both layouts. Where the pool has a shared
-secret, ``auth`` carries the HMAC proofs of :mod:`tandem.worker.transfer.handshake`, checked before
-anything else.
+or the prefill worker refuses with a message that names both layouts.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ import warnings
 
 import torch
 
+from tandem.worker.transfer.handshake import NO_TAG
 
 
 def layout_mismatch(prefill: dict, decode) -> str:
@@ -43,9 +47,19 @@ def layout_mismatch(prefill: dict, decode) -> str:
             f"Prefill worker has {prefill}, decode worker sent {decode}")
 
 
-MAGIC = b"TKV1"
-HEADER = struct.Struct("<4sBIQ")
-MAX_JSON = 64 * 1024 * 1024
+MAGIC = b"TKV2"
+HEADER = struct.Struct("<4sBIQ32s")
+#: the most JSON bytes of a frame from a prefill worker (REJECT messages name two layouts; DONE has
+#: at most 20 top logprobs)
+MAX_JSON = 1024 * 1024
+
+
+def hello_limit(max_model_len: int, block_size: int) -> int:
+    """The most bytes a real HELLO body needs: a prompt of ``max_model_len`` tokens (rounded up to
+    whole blocks) as JSON integers of at most 10 digits and a comma, plus 16 KiB for the layout and
+    the sampling parameters (the decode worker sends no stop strings: the prefill computes one token)."""
+    tokens = -(-max_model_len // block_size) * block_size
+    return 11 * tokens + 16 * 1024
 
 
 class FrameType(enum.IntEnum):
@@ -73,40 +87,53 @@ class RequestFailed(TransferError):
         self.field, self.status = field, status
 
 
-def encode_frame(ftype: FrameType, meta: dict, payload: bytes | memoryview = b"") -> list:
-    """The frame as buffers: header, JSON, payload (not copied)."""
+def encode_frame(ftype: FrameType, meta: dict, payload: bytes | memoryview = b"", mac=None) -> list:
+    """The frame as buffers: header, JSON, payload (not copied). ``mac`` (a handshake.FrameMac) tags it."""
     body = json.dumps(meta, separators=(",", ":")).encode()
-    return [HEADER.pack(MAGIC, int(ftype), len(body), len(payload)), body, payload]
+    tag = mac.tag(ftype, body, payload) if mac is not None else NO_TAG
+    return [HEADER.pack(MAGIC, int(ftype), len(body), len(payload), tag), body, payload]
 
 
-def write_frame(writer, ftype: FrameType, meta: dict, payload: bytes | memoryview = b"") -> None:
+def write_frame(writer, ftype: FrameType, meta: dict, payload: bytes | memoryview = b"", mac=None) -> None:
     """Write one frame to a StreamWriter or transport. The payload goes in its own ``write`` call:
     ``writelines`` would join it into a fresh multi-MB bytes object first (a copy into new pages)."""
-    header, body, payload = encode_frame(ftype, meta, payload)
+    header, body, payload = encode_frame(ftype, meta, payload, mac)
     writer.write(header + body)
     if payload:
         writer.write(payload)
 
 
-def parse_header(raw: bytes | bytearray, max_payload: int) -> tuple[int, int, int]:
-    """``(frame type, json length, payload length)`` of a frame header.
+def parse_header(raw: bytes | bytearray, max_payload: int, max_json: int = MAX_JSON) -> tuple[int, int, int, bytes]:
+    """``(frame type, json length, payload length, tag)`` of a frame header.
 
-    Raises TransferError if it is not one, or if its lengths pass ``MAX_JSON`` or ``max_payload``
+    Raises TransferError if it is not one, or if its lengths pass ``max_json`` or ``max_payload``
     bytes (the lengths come from the peer: nothing is allocated for them before this check)."""
-    magic, ftype, jlen, plen = HEADER.unpack(raw)
+    magic, ftype, jlen, plen, tag = HEADER.unpack(raw)
     if magic != MAGIC:
         raise TransferError(f"bad frame header {magic!r}")
-    if jlen > MAX_JSON or plen > max_payload:
-        raise TransferError(f"frame too large: {jlen} bytes of JSON (limit {MAX_JSON}), {plen} of payload "
+    if jlen > max_json or plen > max_payload:
+        raise TransferError(f"frame too large: {jlen} bytes of JSON (limit {max_json}), {plen} of payload "
                             f"(limit {max_payload})")
-    return ftype, jlen, plen
+    return ftype, jlen, plen, tag
 
 
-async def read_frame(reader: asyncio.StreamReader, max_payload: int) -> tuple[FrameType, dict, bytes]:
+def parse_json(raw: bytes | bytearray) -> dict:
+    """A frame's JSON part, which must be an object. Raises TransferError otherwise."""
+    try:
+        meta = json.loads(raw) if raw else {}
+    except ValueError as e:   # also UnicodeDecodeError
+        raise TransferError(f"bad frame JSON: {e}") from None
+    if not isinstance(meta, dict):
+        raise TransferError(f"bad frame JSON: a {type(meta).__name__}, not an object")
+    return meta
+
+
+async def read_frame(reader: asyncio.StreamReader, max_payload: int,
+                     max_json: int = MAX_JSON) -> tuple[FrameType, dict, bytes]:
     """Read one frame of at most ``max_payload`` payload bytes. Raises TransferError on a bad or too
     large header, asyncio.IncompleteReadError on EOF."""
-    ftype, jlen, plen = parse_header(await reader.readexactly(HEADER.size), max_payload)
-    meta = json.loads(await reader.readexactly(jlen)) if jlen else {}
+    ftype, jlen, plen, _ = parse_header(await reader.readexactly(HEADER.size), max_payload, max_json)
+    meta = parse_json(await reader.readexactly(jlen)) if jlen else {}
     payload = await reader.readexactly(plen) if plen else b""
     try:
         return FrameType(ftype), meta, payload
@@ -143,10 +170,13 @@ class FrameReceiver(asyncio.BufferedProtocol):
     The payload buffer is reused: a frame's payload is valid until :meth:`next_frame` is called again,
     and reading pauses until then, which is the back-pressure (TCP flow control throttles the sender).
     A frame announcing more than ``max_payload`` bytes closes the connection with a TransferError.
+    Once ``mac`` (a handshake.FrameMac) is set, every later frame's tag is checked before delivery.
     """
 
     def __init__(self, max_payload: int):
         self.max_payload = max_payload
+        self.mac = None
+        self._tag = NO_TAG
         self.transport: asyncio.Transport | None = None
         self._header = bytearray(HEADER.size)
         self._json = bytearray()
@@ -179,7 +209,7 @@ class FrameReceiver(asyncio.BufferedProtocol):
         while self._pos == len(self._view):   # zero-length parts complete at once
             if self._stage == 0:
                 try:
-                    self._ftype, jlen, self._plen = parse_header(self._header, self.max_payload)
+                    self._ftype, jlen, self._plen, self._tag = parse_header(self._header, self.max_payload)
                 except TransferError as e:
                     self._frames.put_nowait(e)
                     self.transport.close()
@@ -195,11 +225,15 @@ class FrameReceiver(asyncio.BufferedProtocol):
                 return
 
     def _deliver(self) -> None:
+        payload = memoryview(self._payload)[:self._plen]
         try:
-            frame = (FrameType(self._ftype), json.loads(self._json) if self._json else {},
-                     memoryview(self._payload)[:self._plen])
+            if self.mac is not None and not self.mac.check(self._ftype, bytes(self._json), payload, self._tag):
+                raise TransferError(f"frame {self._ftype} fails its MAC: not from the peer that proved the secret")
+            frame = (FrameType(self._ftype), parse_json(self._json), payload)
         except ValueError as e:
             frame = TransferError(f"bad frame: {e}")
+        except TransferError as e:
+            frame = e
         self._frames.put_nowait(frame)
         self._enter(0)
         self.transport.pause_reading()   # until the consumer asks for the next frame

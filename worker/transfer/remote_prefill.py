@@ -35,7 +35,10 @@ class PrefillPeers:
         self.ports: dict[str, int] = {}
 
     async def kv_address(self, peer_url: str) -> tuple[str, int]:
-        host = urlparse(peer_url).hostname
+        u = urlparse(peer_url)
+        host = u.hostname
+        if u.scheme not in ("http", "https") or not host:
+            raise TransferError(f"prefill peer {peer_url!r} is not an http URL")
         if peer_url not in self.ports:
             try:
                 async with self.session.get(peer_url.rstrip("/") + "/health",
@@ -92,8 +95,10 @@ async def _pull(aengine: AsyncEngine, request_id: str, prompt_token_ids: list[in
     t0 = time.monotonic()
     try:
         host, port = await peers.kv_address(prefill_peer)
+        # stop strings and ids act on the decode side only (the prefill samples one token, with the
+        # same result without them), and they would make the HELLO's size unbounded
         hello = {"layout": engine.kv_layout(), "prompt_token_ids": prompt_token_ids,
-                 "params": {**params.model_dump(), "max_tokens": 1}}
+                 "params": {**params.model_dump(exclude={"stop", "stop_token_ids"}), "max_tokens": 1}}
 
         async def on_blocks(first_block, data):
             await aengine.call(engine.write_kv, request_id, first_block, data)

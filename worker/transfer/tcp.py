@@ -14,6 +14,7 @@ Other transports (NCCL, NIXL, Mooncake-style RDMA) would provide the same two ca
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from typing import Awaitable, Callable
@@ -22,9 +23,10 @@ from tandem.worker.engine.async_engine import AsyncEngine, EngineDead
 from tandem.worker.engine.llm_engine import RequestOutput
 from tandem.worker.api.errors import InvalidRequestError
 from tandem.worker.transfer import handshake
-from tandem.worker.transfer.protocol import (FrameReceiver, FrameType, RequestFailed, TransferError,
-                                             layout_mismatch, payload_to_tensor, read_frame, tensor_to_payload,
-                                             write_frame)
+from tandem.worker.transfer.protocol import (HEADER, FrameReceiver, FrameType, RequestFailed, TransferError,
+                                             layout_mismatch, parse_header, parse_json, payload_to_tensor,
+                                             tensor_to_payload, write_frame)
+from tandem.worker.transfer.protocol import hello_limit as protocol_hello_limit
 
 log = logging.getLogger(__name__)
 
@@ -32,26 +34,45 @@ log = logging.getLogger(__name__)
 class KVTransferServer:
     """The prefill worker's side: accepts transfers and streams KV blocks back.
 
+    Nothing large is read before the peer authenticates: the HELLO's proof (at most
+    ``handshake.PROOF_MAX_JSON`` bytes) is checked first, then its body is read only if it is within
+    ``hello_limit`` bytes, and hashed against the proof before it is parsed. At most
+    ``max_handshakes`` connections may be unauthenticated at once (more are closed at once), each for
+    at most ``hello_timeout`` seconds; a connection counts in :attr:`active` (drain waits for it)
+    only once its proof verified.
+
     Args:
         aengine: the prefill worker's engine.
         layout: this worker's KV layout (``LLMEngine.kv_layout()``).
         on_sent: ``fn(num_bytes, seconds)`` per finished transfer (metrics).
-        hello_timeout: seconds to wait for a HELLO after accepting a connection.
+        hello_timeout: seconds from accepting a connection to its whole HELLO.
         frame_timeout: seconds one frame may take to leave (a decode worker that stops reading).
         secret: the pool secret; when set, a HELLO without its proof is refused before anything is
             allocated or computed (:mod:`tandem.worker.transfer.handshake`).
-        on_refused: ``fn()`` per HELLO refused for a missing or wrong proof (metrics).
+        on_refused: ``fn()`` per connection refused before authentication: a missing or wrong proof,
+            a malformed or oversized HELLO, a handshake past its deadline, or over ``max_handshakes``
+            (metrics).
+        hello_limit: the most HELLO body bytes (``protocol.hello_limit``); default that of the
+            engine's ``max_model_len`` and block size.
+        max_handshakes: the most connections at once that have not yet authenticated.
     """
 
     def __init__(self, aengine: AsyncEngine, layout: dict, on_sent: Callable | None = None,
-                 hello_timeout: float = 10.0, frame_timeout: float = 30.0, secret: bytes | None = None,
-                 on_refused: Callable[[], None] | None = None):
+                 hello_timeout: float = 5.0, frame_timeout: float = 30.0, secret: bytes | None = None,
+                 on_refused: Callable[[], None] | None = None, hello_limit: int | None = None,
+                 max_handshakes: int = 64):
         self.aengine, self.layout, self.on_sent = aengine, layout, on_sent
         self.secret, self.on_refused = secret, on_refused
         self.hello_timeout, self.frame_timeout = hello_timeout, frame_timeout
+        if hello_limit is None:
+            e = aengine.engine
+            hello_limit = protocol_hello_limit(e.max_model_len, e.config.block_size)
+        self.hello_limit, self.max_handshakes = hello_limit, max_handshakes
         self.server: asyncio.AbstractServer | None = None
-        self.active = 0          # transfers in flight (drain waits for them)
+        self.active = 0          # authenticated transfers in flight (drain waits for them)
+        self.handshaking = 0     # connections not yet authenticated
         self.accepting = True
+        self._logged_at, self._unlogged = -1e9, 0
 
     async def start(self, host: str, port: int) -> int:
         """Listen; returns the bound port (``port`` 0 picks a free one)."""
@@ -63,21 +84,55 @@ class KVTransferServer:
             self.server.close()
             await self.server.wait_closed()
 
+    def _refuse(self, writer, why: str) -> None:
+        """Count a refusal; log it, at most one line every 5 s (a flood must not become a log flood)."""
+        if self.on_refused:
+            self.on_refused()
+        now = time.monotonic()
+        if now - self._logged_at < 5.0:
+            self._unlogged += 1
+            return
+        more = f" (and {self._unlogged} more refused since the last line)" if self._unlogged else ""
+        log.warning("KV connection from %s refused: %s%s", writer.get_extra_info("peername"), why, more)
+        self._logged_at, self._unlogged = now, 0
+
+    async def _read_hello(self, reader, nonce: str) -> tuple[dict | None, dict | None, str]:
+        """``(proof, hello, why)``: the HELLO's verified proof and parsed body, or Nones and why not."""
+        ftype, jlen, plen, _ = parse_header(await reader.readexactly(HEADER.size), self.hello_limit,
+                                            handshake.PROOF_MAX_JSON)
+        if ftype != FrameType.HELLO:
+            return None, None, f"expected HELLO, got frame type {ftype}"
+        proof = parse_json(await reader.readexactly(jlen))
+        if not handshake.verify_proof(self.secret, nonce, proof, plen):
+            return None, None, "no valid proof of this pool's secret"
+        body = await reader.readexactly(plen)
+        if not handshake.body_matches(proof, body):
+            return None, None, "the HELLO body is not the one its proof names"
+        return proof, parse_json(body), ""
+
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.active += 1
+        if self.handshaking >= self.max_handshakes:
+            self._refuse(writer, f"{self.handshaking} connections already unauthenticated")
+            writer.transport.abort()
+            return
+        self.handshaking += 1
+        authenticated = False
         try:
-            nonce = handshake.new_nonce()
-            await self._send(writer, FrameType.CHALLENGE, {"nonce": nonce})
-            ftype, meta, _ = await asyncio.wait_for(read_frame(reader, max_payload=0), self.hello_timeout)
-            if ftype != FrameType.HELLO:
-                raise TransferError(f"expected HELLO, got {ftype.name}")
-            if not handshake.verify_hello(self.secret, nonce, meta):
-                log.warning("KV transfer from %s refused: no valid proof of this pool's secret",
-                            writer.get_extra_info("peername"))
-                if self.on_refused:
-                    self.on_refused()
+            try:
+                nonce = handshake.new_nonce()
+                await self._send(writer, FrameType.CHALLENGE, {"nonce": nonce})
+                proof, meta, why = await asyncio.wait_for(self._read_hello(reader, nonce), self.hello_timeout)
+            except (ConnectionError, asyncio.IncompleteReadError, asyncio.TimeoutError, TransferError) as e:
+                self._refuse(writer, f"no valid HELLO: {e!r}")
+                return
+            finally:
+                self.handshaking -= 1
+            if meta is None:
+                self._refuse(writer, why)
                 await self._send(writer, FrameType.REJECT, {"message": "not authenticated for this pool"})
                 return
+            authenticated = True
+            self.active += 1
             if meta.get("layout") != self.layout:
                 msg = layout_mismatch(self.layout, meta.get("layout"))
                 await self._send(writer, FrameType.REJECT, {"message": msg})
@@ -87,8 +142,9 @@ class KVTransferServer:
                 return
             # The decode side sends nothing after HELLO: EOF means it left (client gone, deadline,
             # its own abort), and the prefill stops at once rather than at its next write.
+            mac = handshake.FrameMac(self.secret, nonce, proof["nonce"]) if self.secret is not None else None
             transfer = asyncio.ensure_future(self._transfer(meta, writer, handshake.accept_proof(
-                self.secret, nonce, meta)))
+                self.secret, nonce, proof["nonce"]), mac))
             peer_gone = asyncio.ensure_future(reader.read(1))
             try:
                 await asyncio.wait({transfer, peer_gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -105,15 +161,18 @@ class KVTransferServer:
                 EngineDead) as e:
             log.warning("KV transfer to %s failed: %r", writer.get_extra_info("peername"), e)
         finally:
-            self.active -= 1
+            if authenticated:
+                self.active -= 1
             writer.close()
 
-    async def _send(self, writer: asyncio.StreamWriter, ftype: FrameType, meta: dict, payload=b"") -> None:
-        write_frame(writer, ftype, meta, payload)
+    async def _send(self, writer: asyncio.StreamWriter, ftype: FrameType, meta: dict, payload=b"",
+                    mac=None) -> None:
+        write_frame(writer, ftype, meta, payload, mac)
         await asyncio.wait_for(writer.drain(), self.frame_timeout)
 
-    async def _transfer(self, meta: dict, writer: asyncio.StreamWriter, proof: dict) -> None:
-        """Prefill the HELLO's prompt and stream its KV blocks, then DONE with the first token."""
+    async def _transfer(self, meta: dict, writer: asyncio.StreamWriter, proof: dict, mac) -> None:
+        """Prefill the HELLO's prompt and stream its KV blocks, then DONE with the first token; the
+        frames after ACCEPT are tagged by ``mac`` (None: a pool without a secret)."""
         sent, t0 = 0, time.monotonic()
         rid = self.aengine.new_request_id("prefill")
         post = self.aengine.post
@@ -132,7 +191,7 @@ class KVTransferServer:
             async for item in h.outputs():
                 if isinstance(item, RequestOutput) and item.finish_reason == "error":
                     await self._send(writer, FrameType.ERROR, {"message": item.error, "status": 500,
-                                                               "request_error": True})
+                                                               "request_error": True}, mac=mac)
                     return
                 if isinstance(item, RequestOutput):
                     lp = item.logprobs[0] if item.logprobs else None
@@ -140,11 +199,12 @@ class KVTransferServer:
                         "token_id": item.new_token_ids[0],
                         "logprob": lp.logprob if lp else None,
                         "top_logprobs": lp.top_logprobs if lp else None,
-                        "num_cached_tokens": item.num_cached_tokens})
+                        "num_cached_tokens": item.num_cached_tokens}, mac=mac)
                 else:
                     first_block, data = item
                     tmeta, payload = tensor_to_payload(data)
-                    await self._send(writer, FrameType.BLOCKS, {"first_block": first_block, **tmeta}, payload)
+                    await self._send(writer, FrameType.BLOCKS, {"first_block": first_block, **tmeta}, payload,
+                                     mac=mac)
                     sent += len(payload)
         if self.on_sent:
             self.on_sent(sent, time.monotonic() - t0)
@@ -188,9 +248,9 @@ async def pull_kv(host: str, port: int, hello: dict,
         if ftype != FrameType.CHALLENGE or not isinstance(meta.get("nonce"), str):
             raise TransferError(f"prefill worker {host}:{port} sent {ftype.name}, not a CHALLENGE")
         nonce = meta["nonce"]
-        if secret is not None:
-            hello = handshake.sign_hello(secret, nonce, hello)
-        write_frame(transport, FrameType.HELLO, hello)
+        body = json.dumps(hello, separators=(",", ":")).encode()
+        proof = handshake.hello_proof(secret, nonce, body)
+        write_frame(transport, FrameType.HELLO, proof, body)
         accepted = False
         while True:
             left = t_end - time.monotonic()
@@ -200,9 +260,11 @@ async def pull_kv(host: str, port: int, hello: dict,
             if ftype in (FrameType.BLOCKS, FrameType.DONE) and not accepted:
                 raise TransferError(f"prefill worker {host}:{port} sent {ftype.name} before ACCEPT")
             if ftype == FrameType.ACCEPT:
-                if not handshake.verify_accept(secret, nonce, hello, meta):
+                if accepted or not handshake.verify_accept(secret, nonce, proof["nonce"], meta):
                     raise TransferError(f"prefill worker {host}:{port} did not prove this pool's secret")
                 accepted = True
+                if secret is not None:   # every later frame must carry this connection's tag
+                    proto.mac = handshake.FrameMac(secret, nonce, proof["nonce"])
             elif ftype == FrameType.BLOCKS:
                 received += len(payload)
                 # the payload buffer is reused for the next frame: on_blocks copies it into the cache

@@ -1,0 +1,108 @@
+"""The operator's permissions (docs/security.md, "The operator's permissions"): the chart rendered by
+helm and its RBAC rules read, then the same objects applied to the test cluster's real kube-apiserver
+and asked with ``kubectl auth can-i --as`` what the operator's ServiceAccount may do.
+
+- Webhook configurations: only the operator's own ValidatingWebhookConfiguration, by name, get and
+  patch; nothing on any other, nothing on mutating ones, no create.
+- With ``watchNamespaces`` the pool permissions (Secrets included) are a Role in each watched
+  namespace; the ClusterRole keeps only cluster-scoped reads.
+"""
+import json
+
+import pytest
+import yaml
+
+from operator_helpers import OPERATOR_NS, RELEASE, render_chart
+
+pytestmark = pytest.mark.timeout(300)
+NAMESPACED = ("pools-a", "pools-b")
+
+
+def rbac(rendered: str) -> dict:
+    docs = [d for d in yaml.safe_load_all(rendered) if d]
+    return {"docs": docs,
+            "cluster": [r for d in docs if d["kind"] == "ClusterRole" for r in d["rules"]],
+            "roles": {(d["metadata"]["namespace"], d["metadata"]["name"]): d["rules"]
+                      for d in docs if d["kind"] == "Role"}}
+
+
+def grants(rules: list[dict], resource: str, verb: str, name: str | None = None) -> bool:
+    for r in rules:
+        if resource in r["resources"] or "*" in r["resources"]:
+            if verb in r["verbs"] or "*" in r["verbs"]:
+                names = r.get("resourceNames")
+                if not names or name in names:
+                    return True
+    return False
+
+
+def test_webhook_configurations_only_its_own_by_name(helm_bin):
+    r = rbac(render_chart(helm_bin))
+    rules = r["cluster"]
+    own = f"{RELEASE}.serving.tandem.dev"   # the release is named as the chart: fullname = release
+    assert own in {d["metadata"]["name"] for d in r["docs"] if d["kind"] == "ValidatingWebhookConfiguration"}
+    assert not any(grants(rules, "mutatingwebhookconfigurations", v) for v in ("get", "create", "patch", "update",
+                                                                                 "delete", "list"))
+    vwc = [x for x in rules if "validatingwebhookconfigurations" in x["resources"]]
+    assert vwc and all(x.get("resourceNames") == [own] and set(x["verbs"]) <= {"get", "patch"} for x in vwc), vwc
+    assert not grants(rules, "validatingwebhookconfigurations", "create")
+    assert not grants(rules, "validatingwebhookconfigurations", "patch", "someone-elses-policy")
+    # no wildcard anywhere; Secrets never listed or watched
+    for x in rules + [x for rs in r["roles"].values() for x in rs]:
+        assert "*" not in x["verbs"] and "*" not in x["resources"] and "*" not in x["apiGroups"], x
+        if "secrets" in x["resources"]:
+            assert set(x["verbs"]) <= {"get", "create"}, x
+
+
+def test_namespaced_mode_grants_pool_permissions_only_in_the_watched_namespaces(helm_bin):
+    r = rbac(render_chart(helm_bin, "watchNamespaces={" + ",".join(NAMESPACED) + "}"))
+    cluster = r["cluster"]
+    for res in ("secrets", "deployments", "roles", "rolebindings", "serviceaccounts", "inferencepools", "pods",
+                "clusterkopfpeerings"):
+        for verb in ("get", "create", "patch", "list"):
+            assert not grants(cluster, res, verb), (res, verb)
+    for ns in NAMESPACED:
+        rules = r["roles"][(ns, f"{RELEASE}-pools")]
+        assert grants(rules, "secrets", "get") and grants(rules, "deployments", "patch")
+        assert grants(rules, "inferencepools", "watch") and grants(rules, "kopfpeerings", "patch")
+    # nothing in any other namespace but the operator's own (its webhook certificate and Lease)
+    assert {ns for ns, _ in r["roles"]} == {*NAMESPACED, OPERATOR_NS}
+    assert not [d for d in r["docs"] if d["kind"] == "ClusterKopfPeering"]
+    assert {d["metadata"]["namespace"] for d in r["docs"] if d["kind"] == "KopfPeering"} == set(NAMESPACED)
+
+
+def can_i(cluster, sa: str, verb: str, what: str, ns: str | None = None) -> bool:
+    args = ["auth", "can-i", verb, what, f"--as=system:serviceaccount:{OPERATOR_NS}:{sa}"]
+    args += ["-n", ns] if ns else []
+    out = cluster.kubectl(*args, check=False)
+    return out.stdout.strip() == "yes"
+
+
+def test_the_api_server_enforces_it(cluster, helm_bin):
+    """The chart's RBAC objects, cluster-wide and namespaced, applied to the real API server (a release
+    of their own, and only the RBAC objects: no operator runs for this, and the ServiceAccount need not
+    exist for its name to be bound and impersonated), then asked what the ServiceAccount may do."""
+    for ns in (*NAMESPACED, "elsewhere"):
+        cluster.kubectl("create", "namespace", ns, check=False)
+    kinds = {"ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"}
+    # a release of its own (its ClusterRole must not be the operator fixture's)
+    sets = ["fullnameOverride=rbac-check", "serviceAccount.name=rbac-check"]
+    for extra in ([], ["watchNamespaces={" + ",".join(NAMESPACED) + "}"]):
+        docs = [d for d in yaml.safe_load_all(render_chart(helm_bin, *sets, *extra))
+                if d and d["kind"] in kinds and d["metadata"].get("namespace") != OPERATOR_NS]
+        cluster.kubectl("apply", "-f", "-", input="\n---\n".join(json.dumps(d) for d in docs))
+        own = "rbac-check.serving.tandem.dev"
+        assert can_i(cluster, "rbac-check", "patch", f"validatingwebhookconfigurations/{own}")
+        assert not can_i(cluster, "rbac-check", "patch", "validatingwebhookconfigurations/another-policy")
+        assert not can_i(cluster, "rbac-check", "create", "validatingwebhookconfigurations")
+        assert not can_i(cluster, "rbac-check", "patch", "mutatingwebhookconfigurations/anything")
+        assert not can_i(cluster, "rbac-check", "create", "mutatingwebhookconfigurations")
+        assert not can_i(cluster, "rbac-check", "list", "secrets", "elsewhere")
+        if extra:   # namespaced: no Secret, Deployment or Role outside the watched namespaces
+            assert can_i(cluster, "rbac-check", "get", "secrets", NAMESPACED[0])
+            for ns in ("elsewhere", "kube-system"):
+                assert not can_i(cluster, "rbac-check", "get", "secrets", ns), ns
+                assert not can_i(cluster, "rbac-check", "patch", "deployments", ns), ns
+                assert not can_i(cluster, "rbac-check", "create", "rolebindings", ns), ns
+        # the next render replaces these objects; a ClusterRole keeps only what that render grants
+        cluster.kubectl("delete", "-f", "-", input="\n---\n".join(json.dumps(d) for d in docs), check=False)
