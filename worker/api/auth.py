@@ -36,6 +36,7 @@ from typing import Callable, Optional
 
 from aiohttp import web
 
+from tandem.worker.api.keys import ROUTER_TOKEN, derive
 from tandem.worker.api.errors import error_body
 
 log = logging.getLogger(__name__)
@@ -155,8 +156,7 @@ _TOKEN_RE = re.compile(r"(\d{1,12}):([0-9a-f]{32}):([0-9a-f]{64})")
 
 def token_key(secret: bytes) -> bytes:
     """The key pool tokens are made with: HKDF of the pool secret for this purpose alone (not the KV
-    handshake's keys, tandem.worker.transfer.handshake)."""
-    from tandem.worker.transfer.handshake import ROUTER_TOKEN, derive
+    handshake's keys: tandem.worker.api.keys)."""
     return derive(secret, ROUTER_TOKEN)
 
 

@@ -24,27 +24,14 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
-from functools import lru_cache
 from typing import Optional
 
-from cryptography.hazmat.primitives import hashes
-from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+from tandem.worker.api.keys import KV_FRAME, KV_PROOF, ROUTER_TOKEN, derive  # noqa: F401  (re-exported)
 
 #: the most bytes of JSON a HELLO's proof part may have (it is read before the proof is checked)
 PROOF_MAX_JSON = 1024
 TAG_BYTES = 32
 NO_TAG = bytes(TAG_BYTES)
-
-KV_PROOF = b"tandem kv proof v2"
-KV_FRAME = b"tandem kv frame v2"
-ROUTER_TOKEN = b"tandem router token v2"
-
-
-@lru_cache(maxsize=16)
-def derive(secret: bytes, purpose: bytes) -> bytes:
-    """The 32-byte key for one ``purpose`` (one of the constants above), HKDF-SHA256 of the pool
-    secret with the purpose as its info (RFC 5869): knowing one purpose's key gives no other."""
-    return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=purpose).derive(secret)
 
 
 def new_nonce() -> str:
