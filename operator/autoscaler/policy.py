@@ -17,7 +17,10 @@ The algorithm (docs/autoscaler.md says what comes from whom):
    changes (unless the forecast alone needs more); below it the demand decides.
 4. Starting replicas count as capacity on the way: the latency rule compares with ready + starting.
 5. HPA's behavior: stabilization windows (up: the lowest recommendation of the window; down: the
-   highest), and at most ``maxStep`` replicas per ``periodSeconds`` each way; then min and max.
+   highest), and at most ``maxStep`` replicas per ``periodSeconds`` each way; then min and max. While
+   latency is below the band, a scale-up must be called for over ``confirm_s`` (a burst shorter than
+   the start-up is not chased), and prefill replicas still starting that are no longer needed are
+   cancelled at once (``cancel_starting``).
 6. Pool-wide: the prefill:decode ratio band and the GPU budget, the fewest GPUs meeting both. When the
    budget binds, decode gets priority: a decode shortfall slows every running sequence and nothing
    else can take it, while prefill overflow can go to decode replicas' local-prefill path.
@@ -112,13 +115,25 @@ class Autoscaler:
             noise between ticks.
         catch_up_s: prefill sizes to drain its backlog within this many seconds of new replicas being
             ready (see ``_catch_up``).
+        confirm_s: while the role's latency is below the tolerance band, a scale-up waits until the
+            demand has called for it for this many seconds (the lowest recommendation of that span is
+            applied): a burst shorter than the start-up is over before new replicas are ready, and
+            replicas started for it are then held by the scale-down window. Latency above the band
+            scales up at once. 0 turns it off.
+        cancel_starting: while prefill's latency is below the band, replicas still starting that the
+            recommendation no longer needs are cancelled at once (a ReplicaSet removes not-ready pods
+            first), outside the scale-down window and step: they serve nothing yet. Prefill only: a
+            decode replica's TPOT sits at 0.67x its target with one sequence, so decode latency below the
+            band says nothing about margin.
 
     The defaults of ``headroom`` and ``catch_up_s`` were tuned as the simulator's baselines are: on a
-    grid, on issue 10's scenarios at seed 1, one setting for all five (docs/autoscaler.md).
+    grid, on issue 10's scenarios at seed 1, one setting for all five (docs/autoscaler.md);
+    ``confirm_s`` and ``cancel_starting`` were chosen on seed 1 too (issue 25).
     """
 
     def __init__(self, spec, calibration=None, *, startup_s: float = 120.0, forecast_window_s: float = 180.0,
-                 correction_alpha: float = 0.2, headroom: float = 0.9, catch_up_s: float = 240.0):
+                 correction_alpha: float = 0.2, headroom: float = 0.9, catch_up_s: float = 240.0,
+                 confirm_s: float = 90.0, cancel_starting: bool = True):
         self.spec = spec
         self.perf = PerfModel.of(calibration)
         self.startup_s = float(startup_s)
@@ -126,6 +141,8 @@ class Autoscaler:
         self.correction_alpha = float(correction_alpha)
         self.headroom = float(headroom)
         self.catch_up_s = float(catch_up_s)
+        self.confirm_s = float(confirm_s)
+        self.cancel_starting = bool(cancel_starting)
         self.limits = {"prefill": RoleLimits.of(spec.prefill, 1.0), "decode": RoleLimits.of(spec.decode, 0.1)}
         pa = spec.autoscaling
         self.scale_to_zero = bool(pa.scaleToZero)
@@ -349,11 +366,17 @@ class Autoscaler:
         if rs.signal == "no_data":
             return max(cur, lim.min), ("minReplicas" if cur < lim.min else None)
         want = rec
+        lat = rs.latency
+        calm = lat is not None and not math.isnan(lat) and lat < lim.target * (1 - lim.tolerance)
         if want > cur:
             window = [r for t, r in st.recs if t >= at - lim.up_window]
             stab = max(cur, min(window)) if window else want
             if stab < want:
                 want, limited = stab, "stabilization"
+            if calm and self.confirm_s > 0 and at - st.first_at >= self.confirm_s:
+                seen = max(cur, min(r for t, r in st.recs if t >= at - self.confirm_s))
+                if seen < want:
+                    want, limited = seen, "confirmation"
             used = sum(d for t, d in st.events if d > 0 and t > at - lim.up_period)
             room = max(0, lim.up_step - used)
             if wake and cur == 0:
@@ -374,6 +397,10 @@ class Autoscaler:
             room = max(0, lim.down_step - used)
             if want < cur - room:
                 want, limited = cur - room, "maxStep"
+            if self.cancel_starting and calm and rs.starting > 0 and role == "prefill":
+                keep = max(rec, rs.ready, lo)
+                if want > keep:
+                    want, limited = max(keep, cur - rs.starting), None
         if want < lo:
             want, limited = lo, "minReplicas"
         if want > lim.max:

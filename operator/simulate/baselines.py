@@ -1,20 +1,22 @@
 """The peers' policies the simulator measures tandem's against. Each has the policy interface
-(``decide(PoolSnapshot) -> Decision``) and knobs that ``tune`` picks on a grid (seed 1).
+(``decide(PoolSnapshot) -> Decision``) and knobs that ``tune`` picks on a grid (seed 1, the same 9-setting
+budget as tandem's own grid, per role where the upstream system is configured per role).
+
+The faithful baselines follow the upstream code where the simulator has the input; each class's
+docstring names the upstream file and functions it follows and says where the simulator's snapshot
+stands in for an upstream metric:
 
 - ``static``: a fixed fleet; the best one is the fewest GPUs meeting the SLOs on the tuning seed.
-- ``hpa-queue``: Kubernetes HPA's algorithm (kubernetes.io/docs/tasks/run-application/horizontal-pod-autoscale,
-  "Algorithm details") on a queue-length target per replica (prefill: prompts queued or in service;
-  decode: sequences running or waiting), tolerance 0.1, the default behavior (scale-up: the larger of
-  4 pods or 100% per 15 s, no window; scale-down: a 300 s stabilization window, 100% per 15 s).
-- ``dynamo``: a throughput planner in the manner of NVIDIA Dynamo's SLA planner (docs/architecture/
-  sla_planner.md in ai-dynamo/dynamo): every 180 s, predicted demand (the last interval's mean, Dynamo's
-  constant predictor) / the profiled per-replica throughput at the SLO, corrected by observed/expected
-  latency (prefill: TTFT; decode: ITL, with the throughput re-read at target / correction). The profile
-  is the calibration measured at a fixed batch, as Dynamo's profiler does; its knob scales the profiled
-  throughput (how close to the profile the planner plans).
-- ``apa``: AIBrix's Autoscaling Pod Autoscaler (aibrix.readthedocs.io, "Autoscaling: APA"): desired =
-  ceil(ready x metric / target) outside a 10% tolerance, at most 2x up and 0.5x down per step; its
-  metric here is the role's SLO latency and the knob the fraction of the SLO it targets.
+- ``hpa-queue``: Kubernetes HPA on a Pods metric, the queue length per replica, one HPA per role.
+- ``hpa-slo``: the same HPA on an Object metric, the role's p90 latency (TTFT, TPOT) against a target,
+  as users wire an SLO through a custom-metrics adapter.
+- ``apa``: AIBrix's APA, one PodAutoscaler per role on its SLO latency, with AIBrix's scaling-context
+  defaults and its cooldown.
+- ``kpa``: AIBrix's KPA: stable and panic windows and the panic threshold, on each role's concurrency.
+- ``dynamo``: NVIDIA Dynamo's SLA planner with its default ARIMA load predictor (pmdarima, as upstream).
+- ``apa-variant``, ``dynamo-variant``: the earlier, looser stand-ins (one SLO-fraction knob for both roles
+  and no cooldown; a planner that adds replicas on queueing and scales its profile by a knob upstream
+  lacks). Kept to compare with the older tables; not peers.
 - ``oracle``: knows each minute's load (arrivals, mean lengths) a tick ahead and starts replicas with no
   start-up time; sizes with the calibrated capacity model, its knob the planned utilization of it.
 - ``oracle-reactive``: the oracle without foresight: it knows the load of the minute it is in (from its
@@ -22,9 +24,13 @@
   everyone's. No causal policy that sizes from the present load does better than it at the same
   utilization, so its settings, all run, show which aims a reactive policy can reach at all
   (``run.reach``). A yardstick, like the oracle, not a peer.
+
+The simulator decides every 15 s (HPA's default sync period; AIBrix reconciles every 10 s; Dynamo's planner
+acts every 180 s). The snapshot's latency is the role's p90 over the last 30 s.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -58,47 +64,421 @@ class Static:
         return _decision(snap, self.counts, {r: "static" for r in ROLES})
 
 
-class HPAQueue:
-    """HPA's algorithm on queue length per ready replica (targets ``prefill_q`` and ``decode_q``)."""
-    name = "hpa-queue"
+def _role_queue(snap: PoolSnapshot, r: str) -> float:
+    """Requests a role holds: running plus waiting, and for prefill the router's queue too (sequences)."""
+    rs = snap.role(r)
+    return rs.running + rs.waiting + (snap.router_queued if r == "prefill" else 0)
 
-    def __init__(self, prefill_q: float, decode_q: float, min_replicas: int = 1, max_replicas: int = 16,
-                 tolerance: float = 0.1, down_window: float = 300.0, **_):
-        self.q = {"prefill": prefill_q, "decode": decode_q}
+
+class _HPA:
+    """Kubernetes HPA's replica arithmetic and default behavior, one HPA per role (kubernetes/kubernetes
+    pkg/controller/podautoscaler: ``ReplicaCalculator.getUsageRatioReplicaCount`` in replica_calculator.go,
+    ``HorizontalController.stabilizeRecommendationWithBehaviors`` and
+    ``calculateScaleUpLimitWithScalingRules`` in horizontal.go; the defaults in
+    pkg/apis/autoscaling/v2/defaults.go and kube-controller-manager's flags):
+
+    - inside the tolerance (|ratio - 1| <= 0.1) the count stays; else desired = ceil(ratio x ready pods);
+    - scale-up: no stabilization window, at most max(4 pods, +100%) per 15 s period;
+    - scale-down: the largest recommendation of the last 300 s (stabilization window), at most -100% per 15 s.
+
+    Subclasses give the usage ratio (observed / target) of a role, or None when the metric is missing
+    (HPA then keeps the scale: condition ScalingActive=False).
+    """
+    def __init__(self, min_replicas: int = 1, max_replicas: int = 16, tolerance: float = 0.1,
+                 down_window: float = 300.0):
         self.min, self.max, self.tol, self.down_window = min_replicas, max_replicas, tolerance, down_window
         self.recs = {r: [] for r in ROLES}
-        self.last_up = {r: -math.inf for r in ROLES}
+
+    def ratio(self, snap: PoolSnapshot, r: str) -> tuple[Optional[float], str]:
+        raise NotImplementedError
 
     def decide(self, snap: PoolSnapshot) -> Decision:
         want, why = {}, {}
         for r in ROLES:
             rs = snap.role(r)
             cur = rs.replicas
-            queue = rs.running + rs.waiting + (snap.router_queued if r == "prefill" else 0)
+            ratio, text = self.ratio(snap, r)
+            if ratio is None:
+                want[r], why[r] = _bound(cur, self.min, self.max), f"{text}: metric missing, scale kept"
+                continue
             if rs.ready == 0:
                 rec = max(cur, self.min)
             else:
-                ratio = (queue / rs.ready) / self.q[r]
-                # not-ready pods: HPA assumes they use nothing when scaling up (conservative), so the
-                # ratio is taken over the ready ones and applied to the ready count
+                # for a Pods metric HPA counts not-ready pods as using nothing when scaling up (so the
+                # ratio is over the ready ones and applied to them); for an Object metric it multiplies
+                # by the ready pods count: both read ``ratio x ready``
                 rec = cur if abs(ratio - 1) <= self.tol else math.ceil(rs.ready * ratio - 1e-9)
-                if rec > cur:
-                    rec = max(rec, cur)
-            # scale-up limit: max(4 pods, 100%) per 15 s
-            if rec > cur:
-                rec = min(rec, cur + max(4, cur))
+            # stabilizeRecommendationWithBehaviors: the metric's recommendation is recorded; a scale-up takes
+            # the least of the up window (0 s: itself), a scale-down the largest of the down window
             self.recs[r].append((snap.at, rec))
-            self.recs[r] = [(t, v) for t, v in self.recs[r] if t >= snap.at - self.down_window]
+            self.recs[r] = [(t, v) for t, v in self.recs[r] if t > snap.at - self.down_window]
             if rec < cur:
                 rec = min(cur, max(v for _, v in self.recs[r]))
+            # convertDesiredReplicasWithBehaviorRate: scale-up at most max(+4 pods, +100%) per 15 s period
+            if rec > cur:
+                rec = min(rec, cur + max(4, cur))
             want[r] = _bound(rec, self.min, self.max)
-            why[r] = f"queue {queue:.1f} over {rs.ready} ready vs target {self.q[r]} per replica"
+            why[r] = f"{text}, ratio {ratio:.2f} over {rs.ready} ready"
         return _decision(snap, want, why)
 
 
+class HPAQueue(_HPA):
+    """HPA (see :class:`_HPA`) on a Pods metric: the role's queue per ready replica (prefill: prompts queued at
+    the router or in the workers, or in service; decode: sequences running or waiting), targets
+    ``prefill_q`` and ``decode_q`` (sequences per replica)."""
+    name = "hpa-queue"
+
+    def __init__(self, prefill_q: float, decode_q: float, **kw):
+        super().__init__(**{k: v for k, v in kw.items() if k in ("min_replicas", "max_replicas", "tolerance",
+                                                                  "down_window")})
+        self.q = {"prefill": prefill_q, "decode": decode_q}
+
+    def ratio(self, snap, r):
+        rs = snap.role(r)
+        queue = _role_queue(snap, r)
+        if rs.ready == 0:
+            return 1.0, f"queue {queue:.1f}"
+        return (queue / rs.ready) / self.q[r], f"queue {queue:.1f} vs {self.q[r]} per replica"
+
+
+class HPASLO(_HPA):
+    """HPA (see :class:`_HPA`) on the SLO metric itself: an Object metric, the role's p90 latency (TTFT for
+    prefill, TPOT for decode) as a custom-metrics adapter would serve it from Prometheus, with target value
+    ``prefill_fraction`` / ``decode_fraction`` x the SLO. ratio = p90 / target; desired = ceil(ratio x ready).
+    A window with no finished request has no p90: the metric is missing and the scale kept."""
+    name = "hpa-slo"
+
+    def __init__(self, targets: dict, prefill_fraction: float = 0.8, decode_fraction: float = 0.9, **kw):
+        super().__init__(**{k: v for k, v in kw.items() if k in ("min_replicas", "max_replicas", "tolerance",
+                                                                  "down_window")})
+        self.target = {"prefill": targets["prefill"] * prefill_fraction, "decode": targets["decode"] * decode_fraction}
+
+    def ratio(self, snap, r):
+        lat = snap.role(r).latency
+        if lat is None or snap.role(r).signal != "ok":
+            return None, "no p90"
+        return lat / self.target[r], f"p90 {lat:.3g}s vs target {self.target[r]:.3g}s"
+
+
+class _TimeWindow:
+    """AIBrix's metric window (pkg/controller/podautoscaler/types/metrics.go ``TimeWindow``, fed by
+    ``MetricsClient.UpdateMetrics`` and read by ``GetMetricValue`` in metrics/client.go): the mean of the
+    samples recorded in the last ``duration`` seconds; None (upstream: an error, so no scaling) when empty."""
+    def __init__(self, duration: float):
+        self.duration, self.samples = duration, []
+
+    def record(self, t: float, v: float) -> None:
+        self.samples.append((t, v))
+
+    def avg(self, now: float) -> Optional[float]:
+        self.samples = [(t, v) for t, v in self.samples if t > now - self.duration]
+        return sum(v for _, v in self.samples) / len(self.samples) if self.samples else None
+
+
+class _Cooldown:
+    """AIBrix's cooldown (``PodAutoscalerReconciler.stabilizeRecommendation`` in
+    pkg/controller/podautoscaler/podautoscaler_controller.go), applied to APA and KPA recommendations: every
+    recommendation is kept for the longer window; a scale-up takes the largest recommendation of the
+    ``up`` window (default 0 s: the present one), a scale-down the smallest of the ``down`` window
+    (``ScaleDownCooldownWindow``, default 300 s). Upstream selects the minimum for a scale-down (not HPA's
+    maximum), so its cooldown hastens a scale-down to the lowest recent recommendation rather than
+    delaying it; this follows the code as written."""
+    def __init__(self, up: float = 0.0, down: float = 300.0):
+        self.up, self.down, self.hist = up, down, []
+
+    def __call__(self, now: float, rec: int, cur: int) -> int:
+        self.hist.append((now, rec))
+        self.hist = [(t, v) for t, v in self.hist if t > now - max(self.up, self.down)]
+        if rec == cur:
+            return cur
+        window = self.up if rec > cur else self.down
+        inside = [v for t, v in self.hist if t > now - window]
+        if not inside:
+            return rec
+        return max(inside) if rec > cur else min(inside)
+
+
+#: AIBrix's scaling-context defaults (pkg/controller/podautoscaler/context/context.go ``NewBaseScalingContext``)
+#: and metric windows (metrics/client.go ``DefaultStableWindowDuration``, ``DefaultPanicWindowDuration``).
+AIBRIX_DEFAULTS = {"max_scale_up_rate": 2.0, "max_scale_down_rate": 2.0, "up_tolerance": 0.1, "down_tolerance": 0.1,
+                   "up_cooldown": 0.0, "down_cooldown": 300.0, "panic_threshold": 2.0, "stable_window": 180.0,
+                   "panic_window": 60.0}
+
+
+class APA:
+    """AIBrix's Application-specific Pod Autoscaler, one PodAutoscaler per role, each on its SLO latency
+    (prefill: p90 TTFT; decode: p90 TPOT) with its own target, ``prefill_fraction`` / ``decode_fraction``
+    x the SLO. Follows vllm-project/aibrix (commit e3e10f9):
+
+    - pkg/controller/podautoscaler/algorithm/apa.go ``APAAlgorithm.ComputeRecommendation`` and
+      ``computeTargetReplicas``: the metric is the stable window's mean (180 s, metrics/client.go
+      ``GetMetricValue``); r = metric / target; if r > 1 + up tolerance: min(ceil(current x r),
+      ceil(MaxScaleUpRate x current)); if r < 1 - down tolerance: max(ceil(current x r),
+      floor(current / MaxScaleDownRate)); else current. ``current`` is the scale's replica count (our
+      ready + starting);
+    - context/context.go ``NewBaseScalingContext``: tolerances 0.1 / 0.1, MaxScaleUpRate 2,
+      MaxScaleDownRate 2, ScaleUpCooldownWindow 0 s, ScaleDownCooldownWindow 300 s;
+    - podautoscaler_controller.go ``stabilizeRecommendation``: the cooldown (:class:`_Cooldown`), then the
+      min/max replica bounds.
+
+    Upstream averages each scrape over pods before windowing; the simulator's p90 is already pool-wide.
+    """
+    name = "apa"
+
+    def __init__(self, targets: dict, prefill_fraction: float = 0.8, decode_fraction: float = 0.9,
+                 min_replicas: int = 1, max_replicas: int = 16, **kw):
+        self.cfg = {**AIBRIX_DEFAULTS, **{k: v for k, v in kw.items() if k in AIBRIX_DEFAULTS}}
+        self.target = {"prefill": targets["prefill"] * prefill_fraction, "decode": targets["decode"] * decode_fraction}
+        self.min, self.max = min_replicas, max_replicas
+        self.window = {r: _TimeWindow(self.cfg["stable_window"]) for r in ROLES}
+        self.cooldown = {r: _Cooldown(self.cfg["up_cooldown"], self.cfg["down_cooldown"]) for r in ROLES}
+
+    def recommend(self, cur: int, value: float, target: float) -> int:
+        """apa.go ``computeTargetReplicas``: replicas for ``cur`` current replicas at metric ``value``."""
+        c, r = self.cfg, value / target
+        if r > 1 + c["up_tolerance"]:
+            return min(math.ceil(cur * r - 1e-9), math.ceil(c["max_scale_up_rate"] * cur - 1e-9))
+        if r < 1 - c["down_tolerance"]:
+            return max(math.ceil(cur * r - 1e-9), math.floor(cur / c["max_scale_down_rate"] + 1e-9))
+        return cur
+
+    def decide(self, snap: PoolSnapshot) -> Decision:
+        want, why = {}, {}
+        for r in ROLES:
+            rs = snap.role(r)
+            cur = rs.replicas
+            if rs.signal == "ok" and rs.latency is not None:
+                self.window[r].record(snap.at, rs.latency)
+            value = self.window[r].avg(snap.at)
+            if value is None:
+                want[r], why[r] = _bound(cur, self.min, self.max), "no samples in the window: scale kept"
+                continue
+            rec = _bound(self.recommend(cur, value, self.target[r]), self.min, self.max)
+            want[r] = _bound(self.cooldown[r](snap.at, rec, cur), self.min, self.max)
+            why[r] = f"mean p90 {value:.3g}s over {self.cfg['stable_window']:.0f}s vs target {self.target[r]:.3g}s"
+        return _decision(snap, want, why)
+
+
+class KPA:
+    """AIBrix's KPA (Knative-style: a stable and a panic window), one PodAutoscaler per role on its
+    concurrency (prefill: prompts queued or in service, the router's queue included; decode: sequences
+    running or waiting), target ``prefill_c`` / ``decode_c`` sequences per replica. Follows
+    vllm-project/aibrix (commit e3e10f9) pkg/controller/podautoscaler/algorithm/kpa.go:
+
+    - ``ComputeRecommendation`` / ``shouldEnterPanicMode``: panic when the stable value is <= 0 or
+      panic / stable > PanicThreshold (2.0, context.go);
+    - ``computeTargetReplicas``: each window's value v gives ceil(v / target) when v is outside
+      [target x (1 - 0.1), target x (1 + 0.1)], else the current count; each is held in
+      [floor(current / MaxScaleDownRate), max(1, ceil(MaxScaleUpRate x current))]; in panic the larger of
+      the two. (Upstream then holds it at ``maxPanicPods``, but the base scaling context's
+      ``GetMaxPanicPods`` returns 0 and ``SetMaxPanicPods`` does nothing, so in effect it is the larger.)
+    - windows: stable 180 s, panic 60 s (metrics/client.go); the cooldown and bounds as for :class:`APA`.
+
+    The metric is the role's total concurrency: kpa.go's own tests and Knative read ceil(value / target)
+    with the value summed over pods (upstream's aggregator averages pod values, which would make the
+    count independent of the pool's size).
+    """
+    name = "kpa"
+
+    def __init__(self, prefill_c: float = 1.0, decode_c: float = 1.0, min_replicas: int = 1, max_replicas: int = 16,
+                 **kw):
+        self.cfg = {**AIBRIX_DEFAULTS, **{k: v for k, v in kw.items() if k in AIBRIX_DEFAULTS}}
+        self.target = {"prefill": prefill_c, "decode": decode_c}
+        self.min, self.max = min_replicas, max_replicas
+        self.stable = {r: _TimeWindow(self.cfg["stable_window"]) for r in ROLES}
+        self.panic = {r: _TimeWindow(self.cfg["panic_window"]) for r in ROLES}
+        self.cooldown = {r: _Cooldown(self.cfg["up_cooldown"], self.cfg["down_cooldown"]) for r in ROLES}
+
+    def recommend(self, cur: int, stable: float, panic: float, target: float) -> tuple[int, bool]:
+        """kpa.go ``shouldEnterPanicMode`` + ``computeTargetReplicas``: (replicas, in panic)."""
+        c = self.cfg
+        in_panic = stable <= 0 or panic / stable > c["panic_threshold"]
+        up = max(1.0, math.ceil(c["max_scale_up_rate"] * cur - 1e-9))
+        down = math.floor(cur / c["max_scale_down_rate"] + 1e-9)
+        hi, lo = target * (1 + c["up_tolerance"]), target * (1 - c["down_tolerance"])
+
+        def pods(v):
+            return math.ceil(v / target - 1e-9) if (v > hi or v < lo) else cur
+        ds = int(min(max(pods(stable), down), up))
+        dp = int(min(max(pods(panic), down), up))
+        return (max(ds, dp) if in_panic else ds), in_panic
+
+    def decide(self, snap: PoolSnapshot) -> Decision:
+        want, why = {}, {}
+        for r in ROLES:
+            cur = snap.role(r).replicas
+            q = _role_queue(snap, r)
+            self.stable[r].record(snap.at, q)
+            self.panic[r].record(snap.at, q)
+            s, p = self.stable[r].avg(snap.at), self.panic[r].avg(snap.at)
+            rec, panic = self.recommend(cur, s, p, self.target[r])
+            rec = _bound(rec, self.min, self.max)
+            want[r] = _bound(self.cooldown[r](snap.at, rec, cur), self.min, self.max)
+            why[r] = f"{'panic' if panic else 'stable'}: concurrency {s:.2f} (stable) {p:.2f} (panic) vs {self.target[r]}"
+        return _decision(snap, want, why)
+
+
+class ARIMAPredictor:
+    """Dynamo's default load predictor (components/planner/src/dynamo/planner/utils/load_predictor.py
+    ``ARIMAPredictor``): ``pmdarima.auto_arima`` on the last ``window_size`` points, one step ahead; the
+    last value until ``minimum_data_points`` points are in. NaN points are recorded as 0."""
+    def __init__(self, window_size: int = 50, minimum_data_points: int = 5):
+        self.window_size, self.minimum = window_size, minimum_data_points
+        self.data: list[float] = []
+
+    def add_data_point(self, v: float) -> None:
+        self.data.append(0.0 if v is None or math.isnan(v) else float(v))
+        self.data = self.data[-self.window_size:]
+
+    def predict_next(self) -> float:
+        if len(self.data) < self.minimum:
+            return self.data[-1] if self.data else 0.0
+        return _auto_arima_next(tuple(self.data))
+
+
+@functools.lru_cache(maxsize=4096)
+def _auto_arima_next(data: tuple) -> float:
+    """pmdarima.auto_arima's one-step forecast (upstream's call and defaults). A fit takes 0.5-10 s on a
+    loaded 2-core machine; the request-count and ISL series of a scenario are the trace's, the same under
+    every knob setting, so their forecasts are computed once per process."""
+    import warnings
+
+    import pmdarima
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = pmdarima.auto_arima(list(data), suppress_warnings=True, error_action="ignore")
+        return float(model.predict(n_periods=1)[0])
+
+
+class ConstantPredictor(ARIMAPredictor):
+    """load_predictor.py ``ConstantPredictor``: the last value."""
+    def __init__(self, **_):
+        super().__init__(minimum_data_points=1)
+
+    def predict_next(self) -> float:
+        return self.data[-1] if self.data else 0.0
+
+
 class DynamoPlanner:
-    """A throughput planner in the manner of Dynamo's SLA planner (see module docs)."""
+    """NVIDIA Dynamo's SLA planner as upstream has it (ai-dynamo/dynamo
+    components/planner/src/dynamo/planner/utils/planner_core.py ``Planner.observe_metrics``,
+    ``make_adjustments``, ``_compute_replica_requirements``; defaults.py ``SLAPlannerDefaults``;
+    perf_interpolation.py ``DecodeInterpolator.find_best_throughput_per_gpu``):
+
+    - every ``adjustment_interval`` (180 s), from the start: observe the interval's request count, mean
+      ISL and OSL, mean TTFT and ITL; add num_req, ISL and OSL to three load predictors (``arima``, the
+      default: :class:`ARIMAPredictor`, window 50); skip the adjustment when a metric is missing (no traffic);
+    - correction factors: p = observed TTFT / profiled TTFT(ISL); d = observed ITL / profiled ITL at the
+      observed concurrency per decode worker and context ISL + OSL/2;
+    - prefill = ceil(next_num_req x next_ISL / interval x ``min(1, p)`` / profiled prefill throughput per
+      GPU at next_ISL);
+    - decode = ceil(next_num_req x next_OSL / interval / the best profiled decode throughput per GPU whose
+      ITL <= ``itl`` / d at context next_ISL + next_OSL/2);
+    - at least ``min_endpoint`` (1) each; scaled to ``max_gpu_budget`` when over it (here the pool's
+      largest fleet, since upstream's default of 8 GPUs is a deployment setting, not an algorithm).
+
+    The profile is the calibration (:class:`PerfModel`): prefill TTFT at batch 1 (ISL / TTFT is the
+    throughput per GPU), and a decode step at each concurrency (upstream's profiler sweeps KV usage). The
+    simulator's snapshot gives p90 latencies per 30 s, not means: their mean over the interval stands
+    in for the interval's mean TTFT and ITL, so the corrections run a little high. The knob is the planner's
+    ITL target, ``itl_fraction`` x the TPOT SLO (``--itl``); the TTFT target (``--ttft``) does not enter the
+    replica count upstream (only its dry run), so prefill has no knob.
+    """
     name = "dynamo"
+
+    def __init__(self, perf: PerfModel, targets: dict, itl_fraction: float = 1.0, interval: float = 180.0,
+                 load_predictor: str = "arima", window_size: int = 50, min_replicas: int = 1,
+                 max_replicas: int = 16, gpu_budget: Optional[int] = None, **_):
+        self.perf, self.interval = perf, interval
+        self.itl = targets["decode"] * itl_fraction
+        self.min, self.max = min_replicas, max_replicas
+        self.budget = gpu_budget if gpu_budget is not None else 2 * max_replicas
+        make = {"arima": ARIMAPredictor, "constant": ConstantPredictor}[load_predictor]
+        self.pred = {k: make(window_size=window_size) for k in ("num_req", "isl", "osl")}
+        self.p_corr = self.d_corr = 1.0
+        self.last_at: Optional[float] = None
+        self.seen: list[PoolSnapshot] = []
+        self.current: Optional[dict] = None
+
+    def prefill_thpt_per_gpu(self, isl: float) -> float:
+        return isl / self.perf.remote_prefill_seconds(max(isl, 1.0))
+
+    def best_decode_thpt(self, itl: float, ctx: float, most: float = 256.0) -> float:
+        """find_best_throughput_per_gpu: the highest throughput (tokens/s per replica) over concurrency whose
+        step meets ``itl``, at the lowest concurrency when none does. Upstream scans a 100-point KV-usage
+        grid because its interpolated ITL need not be monotone; the calibrated step is, so the largest
+        concurrency meeting ``itl`` is found by bisection."""
+        from tandem.operator.autoscaler.capacity import _bisect
+        step = self.perf.decode_step_seconds
+        if step(1.0, ctx) > itl:
+            return 1.0 / step(1.0, ctx)
+        b = _bisect(lambda x: step(x, ctx) <= itl, 1.0, most)
+        return b / step(b, ctx)
+
+    def observe(self, seen: list, d_ready: int) -> Optional[dict]:
+        """The interval's metrics (planner_core.py ``observe_metrics``), None where one is missing."""
+        n = len(seen)
+        rps = sum(s.prefill.arrivals_per_s for s in seen) / n
+        ptps = sum(s.prefill.prompt_tokens_per_s for s in seen) / n
+        otps = sum(s.decode.output_tokens_per_s for s in seen) / n
+        darr = sum(s.decode.arrivals_per_s for s in seen) / n
+        ttfts = [s.prefill.latency for s in seen if s.prefill.latency is not None]
+        itls = [s.decode.latency for s in seen if s.decode.latency is not None]
+        return {"num_req": rps * self.interval,
+                "isl": ptps / rps if rps > 0 else math.nan,
+                "osl": otps / darr if darr > 0 else math.nan,
+                "ttft": sum(ttfts) / len(ttfts) if ttfts else math.nan,
+                "itl": sum(itls) / len(itls) if itls else math.nan,
+                # Little's law, as upstream's num_req / workers x request_duration / interval
+                "concurrency": sum(s.decode.running for s in seen) / n / max(1, d_ready)}
+
+    def replicas(self, num_req: float, isl: float, osl: float) -> dict:
+        """planner_core.py ``_compute_replica_requirements`` (raises ValueError on a NaN prediction, where
+        upstream logs and skips the adjustment)."""
+        p_thpt = num_req * isl / self.interval * min(1.0, self.p_corr)
+        num_p = math.ceil(p_thpt / self.prefill_thpt_per_gpu(isl))
+        itl = self.itl / self.d_corr if self.d_corr > 0 else self.itl
+        d_thpt = num_req * osl / self.interval
+        num_d = math.ceil(d_thpt / self.best_decode_thpt(itl, isl + osl / 2))
+        num_p, num_d = max(num_p, self.min), max(num_d, self.min)
+        if num_p + num_d > self.budget:
+            scale = self.budget / (num_p + num_d)
+            num_p = max(self.min, round(num_p * scale))
+            num_d = max(self.min, round(self.budget - num_p))
+        return {"prefill": num_p, "decode": num_d}
+
+    def decide(self, snap: PoolSnapshot) -> Decision:
+        if self.current is None:
+            self.current = {r: snap.role(r).replicas for r in ROLES}
+            self.last_at = snap.at
+        self.seen.append(snap)
+        if snap.at - self.last_at < self.interval - 1e-9:
+            return _decision(snap, self.current, {r: "between adjustment intervals" for r in ROLES})
+        self.last_at = snap.at
+        seen, self.seen = self.seen, []
+        m = self.observe(seen, snap.decode.ready)
+        for k in self.pred:
+            self.pred[k].add_data_point(m[k])
+        if any(math.isnan(m[k]) for k in ("ttft", "itl", "isl", "osl")):
+            return _decision(snap, self.current, {r: "metrics missing (no traffic): adjustment skipped" for r in ROLES})
+        self.p_corr = m["ttft"] / self.perf.remote_prefill_seconds(max(m["isl"], 1.0))
+        self.d_corr = m["itl"] / self.perf.decode_step_seconds(max(1.0, m["concurrency"]), m["isl"] + m["osl"] / 2)
+        try:
+            nxt = {k: self.pred[k].predict_next() for k in self.pred}
+            want = self.replicas(nxt["num_req"], nxt["isl"], nxt["osl"])
+        except (ValueError, ZeroDivisionError, OverflowError):
+            return _decision(snap, self.current, {r: "prediction failed: adjustment skipped" for r in ROLES})
+        self.current = {r: _bound(want[r], self.min, self.max) for r in ROLES}
+        why = (f"predicted {nxt['num_req']:.0f} requests/{self.interval:.0f}s, ISL {nxt['isl']:.0f}, OSL "
+               f"{nxt['osl']:.1f}; corrections TTFT {self.p_corr:.2f} (capped at 1), ITL {self.d_corr:.2f}")
+        return _decision(snap, self.current, {r: why for r in ROLES})
+
+
+class DynamoVariant:
+    """The earlier stand-in for Dynamo's planner (not Dynamo: no ``min(1, ...)`` cap on the prefill
+    correction, a constant predictor, a ``scale`` knob upstream lacks): every 180 s the last interval's
+    mean demand over the profiled per-replica throughput, corrected by observed / expected latency."""
+    name = "dynamo-variant"
 
     def __init__(self, perf: PerfModel, targets: dict, scale: float = 1.0, interval: float = 180.0,
                  min_replicas: int = 1, max_replicas: int = 16, **_):
@@ -149,9 +529,11 @@ class DynamoPlanner:
                                               "decode": f"{out_tps:.1f} tok/s at {thpt:.1f} tok/s per replica"})
 
 
-class APA:
-    """AIBrix APA on the SLO latency (see module docs)."""
-    name = "apa"
+class APAVariant:
+    """The earlier stand-in for AIBrix APA (not AIBrix: one SLO-fraction knob for both roles, no metric
+    window, no cooldown): desired = ceil(ready x latency / (fraction x SLO)) outside a 10% tolerance, at most
+    2x up and 0.5x down per tick."""
+    name = "apa-variant"
 
     def __init__(self, targets: dict, fraction: float = 0.8, tolerance: float = 0.1, min_replicas: int = 1,
                  max_replicas: int = 16, **_):

@@ -2,6 +2,7 @@
 policy on every scenario (seed 0) and the issue's aims.
 
     python -m tandem.operator.simulate.tune [--calibration FILE] [--jobs 2] [--table-only] [--markdown OUT]
+    python -m tandem.operator.simulate.tune --policies apa,kpa   # re-tune these, keep the rest of tuned.json
     python -m tandem.operator.simulate.tune --tandem-grid [--seed 1]   # tandem's own defaults (run.TANDEM_GRID)
 
 The table is followed by the reactive oracle at every setting of its grid and, for each aim tandem
@@ -26,11 +27,11 @@ DEFAULT_CALIBRATION = Path(__file__).resolve().parents[2] / "bench/calibrations/
 
 
 def _tune_one(args) -> tuple[str, dict]:
-    cal_path, name = args
+    cal_path, name, policies = args
     cal = Calibration.load(cal_path)
     perf = PerfModel.of(cal)
     sc = S.build(name, perf, 1)
-    return name, {p: R.tune(p, sc, perf, cal) for p in R.POLICIES if p != "tandem"}
+    return name, {p: R.tune(p, sc, perf, cal) for p in policies}
 
 
 def _seed0_one(args) -> dict:
@@ -89,10 +90,15 @@ def format_tandem_grid(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def tune_all(cal_path, jobs: int = 2) -> dict:
-    """{scenario: {baseline: knobs}} tuned on seed 1, scenarios spread over ``jobs`` processes."""
+def tune_all(cal_path, jobs: int = 2, policies=None) -> dict:
+    """{scenario: {baseline: knobs}} tuned on seed 1 (every baseline, or those named), scenario and
+    baseline pairs spread over ``jobs`` processes."""
+    policies = [p for p in (policies or R.POLICIES) if p != "tandem"]
+    out = {n: {} for n in S.NAMES}
     with ProcessPoolExecutor(jobs) as ex:
-        return dict(ex.map(_tune_one, [(str(cal_path), n) for n in S.NAMES]))
+        for n, knobs in ex.map(_tune_one, [(str(cal_path), n, [p]) for p in policies for n in S.NAMES]):
+            out[n].update(knobs)
+    return out
 
 
 def table_all(cal_path, tuned: dict, jobs: int = 2) -> dict:
@@ -125,6 +131,8 @@ def main(argv=None) -> int:
     ap.add_argument("--calibration", default=str(DEFAULT_CALIBRATION))
     ap.add_argument("--jobs", type=_at_least_one, default=2, help="processes (default 2)")
     ap.add_argument("--table-only", action="store_true", help="use the committed tuned.json")
+    ap.add_argument("--policies", help="tune only these baselines (comma-separated), keeping the others' "
+                                       "knobs from tuned.json")
     ap.add_argument("--markdown", help="also write the table and the aims here (Markdown)")
     ap.add_argument("--tandem-grid", action="store_true",
                     help="instead: tandem's own knobs on the grid run.TANDEM_GRID, one setting for all scenarios")
@@ -146,7 +154,14 @@ def main(argv=None) -> int:
     if args.table_only:
         tuned = R.load_tuned()
     else:
-        tuned = tune_all(args.calibration, args.jobs)
+        names = args.policies.split(",") if args.policies else None
+        unknown = [p for p in names or [] if p not in R.POLICIES or p == "tandem"]
+        if unknown:
+            ap.error(f"--policies: unknown baseline(s) {', '.join(unknown)} (one of {', '.join(R.POLICIES[1:])})")
+        fresh = tune_all(args.calibration, args.jobs, names)
+        tuned = R.load_tuned() if names else {}
+        for n, knobs in fresh.items():
+            tuned.setdefault(n, {}).update(knobs)
         R.TUNED_FILE.write_text(json.dumps(tuned, indent=1, sort_keys=True) + "\n")
         print(f"tuned in {time.time() - t0:.0f} s -> {R.TUNED_FILE}", file=sys.stderr)
     tab = table_all(args.calibration, tuned, args.jobs)

@@ -272,3 +272,46 @@ def test_a_capacity_factor_learned_in_an_overload_fades_once_windows_stop_confir
     a.state["decode"].correction = 1.5
     steady(a, 25 + 400, 0.05, 2, 2, dec_lat=0.5 * TPOT)
     assert a.state["decode"].correction == 1.5
+
+
+def test_a_burst_under_the_slo_is_confirmed_before_scaling_and_its_unneeded_starts_are_cancelled():
+    """Issue 25 (bursts cost 1.71x the oracle): while latency is below the band, a scale-up must be called
+    for over ``confirm_s`` (90 s), and prefill replicas still starting that the recommendation no longer
+    needs are cancelled at once. Latency above the band still scales up at the first tick."""
+    calm_pre, calm_dec = 0.4 * TTFT, 0.7 * TPOT
+    slow_down = {"scaleUp": {"stabilizationWindowSeconds": 0, "maxStep": 4, "periodSeconds": 30},
+                 "scaleDown": {"stabilizationWindowSeconds": 300, "maxStep": 1, "periodSeconds": 60}}
+    a = Autoscaler(spec(behavior=slow_down), CAL)
+    for t in range(0, 120, 15):
+        steady(a, t, 0.3, 2, 2, pre_lat=calm_pre, dec_lat=calm_dec)
+    # a 30 s burst of 4x the requests, latency still under the band: nothing starts
+    for t in (120, 135):
+        burst = steady(a, t, 1.2, 2, 2, pre_lat=calm_pre, dec_lat=calm_dec)
+        assert burst.prefill.desired == 2 and burst.prefill.limited_by == "confirmation", burst.prefill
+        assert burst.decode.desired == 2, burst.decode
+    # the same load held past 90 s is a step, not a burst: it scales up
+    for t in range(150, 240, 15):
+        held = steady(a, t, 1.2, 2, 2, pre_lat=calm_pre, dec_lat=calm_dec)
+    assert held.prefill.desired > 2, held.prefill
+    # the load is gone before the new prefill replicas are ready: the starting ones it no longer needs
+    # are cancelled at once, though the 300 s down window and 1 replica per 60 s would hold them
+    up = held.prefill.desired
+    back = a.decide(snap(240, role("prefill", 2, starting=up - 2, arrivals=0.3, latency=calm_pre),
+                         role("decode", 2, arrivals=0.3, latency=calm_dec)))
+    assert back.prefill.desired == max(2, back.prefill.recommended) < up, back.prefill
+    # latency above the band scales up at once, with no confirmation
+    b = Autoscaler(spec(), CAL)
+    for t in range(0, 120, 15):
+        steady(b, t, 0.3, 2, 2, pre_lat=calm_pre, dec_lat=calm_dec)
+    hot = steady(b, 120, 1.2, 2, 2, pre_lat=2 * TTFT, dec_lat=2 * TPOT)
+    assert hot.prefill.desired > 2 and hot.decode.desired > 2, (hot.prefill, hot.decode)
+
+
+def test_confirmation_and_cancelling_off_restore_the_earlier_behavior():
+    """With ``confirm_s=0`` and ``cancel_starting=False`` a calm burst starts replicas at once (the
+    behavior the table of issue 25 measured before)."""
+    a = Autoscaler(spec(), CAL, confirm_s=0, cancel_starting=False)
+    for t in range(0, 120, 15):
+        steady(a, t, 0.3, 2, 2, pre_lat=0.4 * TTFT, dec_lat=0.7 * TPOT)
+    burst = steady(a, 120, 1.2, 2, 2, pre_lat=0.4 * TTFT, dec_lat=0.7 * TPOT)
+    assert burst.prefill.desired > 2, burst.prefill

@@ -17,7 +17,9 @@ from tandem.operator.simulate import scenarios as S
 from tandem.operator.simulate.tune import DEFAULT_CALIBRATION, format_reach, frontier_all, table_all
 from tandem.worker.api.calibration import Calibration
 
-pytestmark = pytest.mark.timeout(600)
+# the table fixture runs Dynamo's planner with auto-ARIMA (45 fits a run): about 2 minutes on an idle 2-core
+# machine, past 10 minutes on one shared with other jobs
+pytestmark = pytest.mark.timeout(1800)
 CAL = Calibration.load(DEFAULT_CALIBRATION)
 PERF = PerfModel.of(CAL)
 
@@ -27,44 +29,60 @@ _START = ("a x4 step of prefill work with a 120 s start-up: the ready workers qu
           "ones are up; the reactive oracle reaches 91.7% TTFT at best, at every setting up to 19.2 GPU-hours")
 _STATIC = ("the best static fleet is sized in hindsight for the peak; no setting of the reactive oracle "
            "reaches its attainment at fewer GPU-hours (out of reach for a policy without foresight)")
-_LATENCY_FIRST = ("reaches 97-100% with 1.3-2x tandem's GPU-hours; the reactive oracle matches that "
+_LATENCY_FIRST = ("reaches 95-100% with 1.4-2x tandem's GPU-hours; the reactive oracle matches that "
                   "attainment only above 1.2x the oracle's GPU-hours, or not at all")
+_CHEAP_FAILING = ("the peer is cheaper and misses the SLO (bench/RESULTS.md, tenth session); the aim asks for no "
+                  "lower attainment at fewer GPU-hours, or higher attainment at no more, and tandem has the higher "
+                  "attainment at more GPU-hours")
+_PER_SCENARIO = ("hpa-slo's two latency targets are tuned per scenario on seed 1, tandem ships one setting for all "
+                 "five; the proportional rule on the p90 itself stops where the p90 meets its target "
+                 "(docs/autoscaler.md, 'Against the faithful baselines')")
 #: (scenario, aim) pairs measured out of reach, each with why (bench/RESULTS.md has the table).
 KNOWN_MISSES: dict = {
     ("step", "beats static"): _STATIC,
     ("step", "beats hpa-queue"): _LATENCY_FIRST,
-    ("step", "beats dynamo"): _LATENCY_FIRST,
+    ("step", "beats dynamo"): _CHEAP_FAILING,
     ("diurnal", "GPU-hours <= 0.7x best static"): "even the oracle is at 1.05x: small pools queue worse (M/G/c), "
                                                  "so the trough still needs about half the peak's replicas",
-    ("diurnal", "beats dynamo"): "tandem's own (TANDEM_OWN): dynamo has 100% at 2.2x tandem's GPU-hours, and the "
-                                 "reactive oracle 100% at 11.03 GPU-hours; tandem misses one window (minute "
-                                 "52, 3 replicas per role near the trough: TTFT +9%, TPOT +0.4%)",
+    ("diurnal", "beats static"): "static has 96.7% at 11.01 GPU-hours, tandem 95.0% at 10.48; the reactive oracle "
+                                 "reaches 96.7% only at 11.03 or more",
+    ("diurnal", "beats hpa-slo"): _PER_SCENARIO + ": 95.0% at 10.46 GPU-hours against tandem's 95.0% at 10.48",
+    ("diurnal", "beats dynamo"): _CHEAP_FAILING,
+    ("bursts", "attainment >= 95% (TTFT and TPOT)"):
+        "TPOT 93.3% on seed 0 (95.0% on seed 1): with confirm_s a burst meets decode at the lower count and the "
+        "TPOT rule scales it once the p90 is over the band; the reactive oracle meets 95% only above 1.2x the "
+        "oracle's GPU-hours",
     ("bursts", "GPU-hours <= 1.2x oracle"): "60 s bursts are shorter than the 120 s start-up: replicas added in a "
                                             "burst arrive after it; and the oracle, tuned on seed 1 to pack twice "
                                             "the modelled utilization, misses its TPOT on seed 0 (93.3%)",
     ("bursts", "GPU-hours <= 0.7x best static"): "even the oracle is at 0.80x static, missing its TPOT",
     ("bursts", "beats static"): _STATIC,
-    ("bursts", "beats dynamo"): _LATENCY_FIRST,
+    ("bursts", "beats hpa-queue"): "hpa-queue has 95.0% at 14.81 GPU-hours, tandem 93.3% at 10.67; the reactive "
+                                   "oracle reaches 95% only above 1.2x the oracle's GPU-hours",
+    ("bursts", "beats hpa-slo"): _PER_SCENARIO + ": 95.0% at 10.19 GPU-hours against tandem's 93.3% at 10.67",
+    ("bursts", "beats apa"): "apa (per role, tuned) has 100% / 100% at 11.41 GPU-hours; no setting of the reactive "
+                             "oracle reaches 100% below that",
+    ("bursts", "beats kpa"): _CHEAP_FAILING,
+    ("bursts", "beats dynamo"): _CHEAP_FAILING,
     ("prompt-shift", "attainment >= 95% (TTFT and TPOT)"): _START,
-    ("prompt-shift", "<= 2 direction changes per pool per 10 min at steady load"):
-        "after the shift each arrival is 4x the work, so at ~1.2 req/s the prefill demand of a 30 s window "
-        "ranges 4.4-8.4 erlangs at steady load, and the sizing follows it across 6-8 replicas; 3 changes once",
     ("prompt-shift", "prefill grows, decode changes by <= 1"): "decode steps slow with context (f*batch*context: "
                                                               "+0.04 s per sequence at 1024 tokens), so decode needs "
                                                               "more replicas too; the oracle also goes 1 -> 5",
     ("prompt-shift", "beats static"): _STATIC,
     ("prompt-shift", "beats hpa-queue"): _START,
-    ("prompt-shift", "beats dynamo"): _START,
+    ("prompt-shift", "beats dynamo"): _CHEAP_FAILING,
     ("output-shift", "beats static"): _STATIC,
-    ("output-shift", "beats apa"): "apa (tuned) reaches 96.7% TPOT attainment to tandem's 95.0% at 8.92 GPU-hours "
-                                   "to 9.28; the reactive oracle needs 14.29 for 96.7%",
+    ("output-shift", "beats hpa-slo"): _PER_SCENARIO + ": 95.0% at 8.85 GPU-hours against tandem's 95.0% at 9.14",
+    ("output-shift", "beats kpa"): _CHEAP_FAILING,
+    ("output-shift", "beats dynamo"): _CHEAP_FAILING,
     ("bursts", "the oracle meets the SLO"): "tuned on seed 1 to pack twice the modelled utilization, on seed 0 its "
                                             "TPOT attainment is 93.3%",
 }
 ORACLE_MISSES = "the oracle meets the SLO"   # not an aim of the issue: a check of the yardstick
 #: Known misses that some setting of the reactive oracle reaches while meeting both core aims: tandem's
-#: own shortfalls, not the start-up's or the yardsticks' (``run.reach``).
-TANDEM_OWN = {("diurnal", "beats dynamo")}
+#: own shortfalls, not the start-up's or the yardsticks' (``run.reach``). None at this commit (issue 25):
+#: the earlier one, diurnal against the dynamo stand-in, is gone with the faithful planner.
+TANDEM_OWN: set = set()
 
 
 @pytest.fixture(scope="module")
@@ -210,8 +228,11 @@ def test_every_policy_keeps_to_the_pools_replica_bounds():
     m["spec"]["decode"]["autoscaling"]["maxReplicas"] = 5
     spec = load_manifest(m).spec
     assert R.replica_bounds(spec)["prefill"][1] == 4
-    for name in ("tandem", "hpa-queue", "dynamo", "apa", "oracle", "oracle-reactive"):
-        _, fleet = R.run_one(name, sc, PERF, CAL, R.load_tuned()["step"].get(name), spec=spec)
+    for name in ("tandem", "hpa-queue", "hpa-slo", "apa", "kpa", "dynamo", "oracle", "oracle-reactive"):
+        knobs = R.load_tuned()["step"].get(name)
+        if name == "dynamo":   # the bounds do not depend on the forecast; auto-ARIMA costs 10-30 s a run
+            knobs = {**knobs, "load_predictor": "constant"}
+        _, fleet = R.run_one(name, sc, PERF, CAL, knobs, spec=spec)
         assert max(x["prefill"] for x in fleet.timeline) <= 4 and max(x["decode"] for x in fleet.timeline) <= 5, name
 
 
