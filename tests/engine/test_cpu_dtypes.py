@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tandem.worker.engine.config import EngineConfig
-from tandem.worker.engine.cpu_features import BF16_FLAGS, cpu_flags, cpu_has_native_bf16
+from tandem.worker.engine.cpu_features import BF16_FLAGS, CPU_BF16_ENV, cpu_flags, cpu_has_native_bf16
 from tandem.worker.engine.llm_engine import LLMEngine
 from tandem.worker.transfer.protocol import layout_mismatch
 
@@ -24,11 +24,19 @@ def cpu_with_bf16() -> bool:
     return True
 
 
-def test_auto_resolves_by_cpu_probe():
+def test_auto_resolves_by_cpu_probe(monkeypatch):
     cfg = EngineConfig(model=SOURCE, dtype="auto", device="cpu")
     assert cfg.resolved_dtype(cpu_without_bf16) == "float32"
     assert cfg.resolved_dtype(cpu_with_bf16) == "bfloat16"
-    # the real probe reads this host's flags
+    # the switch forces the real probe either way, whatever this host's flags
+    for forced, want in (("0", "float32"), ("1", "bfloat16")):
+        monkeypatch.setenv(CPU_BF16_ENV, forced)
+        assert cfg.resolved_dtype() == want and cpu_has_native_bf16() == (want == "bfloat16")
+    monkeypatch.setenv(CPU_BF16_ENV, "yes")
+    with pytest.raises(ValueError, match=f"{CPU_BF16_ENV} must be 0, 1 or empty, got 'yes'"):
+        cfg.resolved_dtype()
+    # unset (or empty), the real probe reads this host's flags
+    monkeypatch.setenv(CPU_BF16_ENV, "")
     want = "bfloat16" if cpu_flags() & set(BF16_FLAGS) else "float32"
     assert cfg.resolved_dtype() == want and cpu_has_native_bf16() == (want == "bfloat16")
     assert EngineConfig(model=SOURCE, dtype="float16").resolved_dtype(cpu_with_bf16) == "float16"
