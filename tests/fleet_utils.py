@@ -93,9 +93,10 @@ def start_fleet(overrides: dict | None = None, name: str = "e2e", pool_secret: b
 
 
 def start_worker(role: str = "both", name: str = "e2e-both",
-                 overrides: dict | None = None, log=None) -> tuple[subprocess.Popen, str]:
-    """One ``tandem serve`` process from the example manifest's worker config (with ``overrides``);
-    its output goes to ``log`` (an open file) when given."""
+                 overrides: dict | None = None, log=None, env: dict | None = None) -> tuple[subprocess.Popen, str]:
+    """One ``tandem serve`` process from the example manifest's worker config (with ``overrides``),
+    with ``env`` added to this process's environment; its output goes to ``log`` (an open file) when
+    given."""
     from tandem.operator.spec import load_manifest, worker_config
     from tandem.worker.api.config import cpu_threads
     from tandem.worker.api.names import CPU_THREADS_ENV
@@ -106,7 +107,7 @@ def start_worker(role: str = "both", name: str = "e2e-both",
     # the thread budget a fleet's worker of this role gets (operator/local.py); `both` runs as decode
     threads = cpu_threads((getattr(pool.spec, "decode" if role == "both" else role).resources.requests or {})
                           .get("cpu"))
-    env = {**os.environ, **({CPU_THREADS_ENV: str(threads)} if threads else {})}
+    env = {**os.environ, **({CPU_THREADS_ENV: str(threads)} if threads else {}), **(env or {})}
     proc = subprocess.Popen([sys.executable, "-m", "tandem.worker.cli", "serve", "--role", role, "--config",
                              str(cfg), "--port", str(port), "--kv-port", "0"], start_new_session=True, env=env,
                             stdout=log, stderr=subprocess.STDOUT if log is not None else None)

@@ -132,36 +132,39 @@ def arrivals_lag(tmp_path, rate: float, n: int):
 
 
 def test_open_loop_arrivals_keep_the_schedule_with_a_slow_server(tmp_path):
-    """Every request is held 7 s, so a client that waits for answers before sending (closed loop, or
-    aiohttp's 100-connection default) lags by seconds. The bounds (p99 <= 50 ms, max <= 250 ms) sit far
-    below that and far above this shared 2-core machine's scheduling noise (a CI run saw p99 12.8 ms
-    next to other suites; a compiler beside it, 157 ms), so they test the loop, not the machine. The
-    precise lag is a benchmark figure (bench/RESULTS.md), not a test's. That the sends form a Poisson
-    process is tested on the schedule itself: the gaps seen at the server carry that same scheduling
-    noise, and a KS test of 300 gaps with a 20 ms mean notices it (p = 0.001 in a clean-clone run whose
-    p99 lag was 13.7 ms); the lag bounds then say the server saw that schedule."""
+    """Protects: the open loop sends on its schedule without waiting for answers. Every request is held
+    7 s, so a client that waits for answers before sending (closed loop, or aiohttp's 100-connection
+    default holding requests 101-300 back) lags by 5 s or more. The bounds (p99 <= 500 ms, max <=
+    1,500 ms) sit over 3x below that and over 3x above what a loaded 2-core machine measures (p99
+    12.8-13.7 ms in CI runs next to other suites; a max of 157 ms with a compiler beside it), so they
+    test the loop, not the machine. The precise lag is a benchmark figure (bench/RESULTS.md), not a
+    test's. That the sends form a Poisson process is tested on the schedule itself: the gaps seen at
+    the server carry that same scheduling noise, and a KS test of 300 gaps with a 20 ms mean notices it
+    (p = 0.001 in a clean-clone run whose p99 lag was 13.7 ms); the lag bounds then say the server saw
+    that schedule."""
     rate, n = 50.0, 300
-    for attempt in range(2):
-        lag_ms, seen, result = arrivals_lag(tmp_path, rate, n)
-        p99, worst = np.percentile(lag_ms, 99), lag_ms.max()
-        print(f"attempt {attempt + 1}: p99 lag {p99:.1f} ms, max {worst:.1f} ms")
-        if p99 <= 50.0 and worst <= 250.0:
-            break
+    lag_ms, seen, result = arrivals_lag(tmp_path, rate, n)
+    p99, worst = np.percentile(lag_ms, 99), lag_ms.max()
+    print(f"p99 lag {p99:.1f} ms, max {worst:.1f} ms")
     assert seen["max_open"] >= 200
     arrived = dict(seen["arrivals"])
     assert len(arrived) == n and len(lag_ms) == n
-    assert p99 <= 50.0, f"p99 lag {p99:.1f} ms"
-    assert worst <= 250.0, f"max lag {worst:.1f} ms"
+    assert p99 <= 500.0, f"p99 lag {p99:.1f} ms"
+    assert worst <= 1500.0, f"max lag {worst:.1f} ms"
     assert lag_ms.min() >= -1.0   # nothing went early
     gaps = np.diff(np.sort([r.intended_mono for r in result.records]))
     ks = stats.kstest(gaps, "expon", args=(0, 1 / rate))
     assert ks.pvalue > 0.01, ks
     s = summarize(result)
-    assert s["failed"] == 0 and s["send_lag"]["count"] == n and s["send_lag"]["max_ms"] <= 250.0
+    assert s["failed"] == 0 and s["send_lag"]["count"] == n and s["send_lag"]["max_ms"] <= 1500.0
 
 
 def test_closed_loop_holds_the_concurrency_and_has_no_send_lag(tmp_path):
-    proc, url = start_double(tmp_path, {"default": {"ttft": 0.2, "gaps": [0.01], "chunk_tokens": [1, 1]}})
+    """Protects: a closed loop keeps exactly ``concurrency`` requests open, no more (the double's
+    max_open) and no fewer (the wall time: 12 requests of ~0.5 s take 3 rounds, 1.5 s at the least; one
+    at a time would take 6 s; the bound of 4.5 s is 3x the least, and a loaded 2-core machine adds tens
+    of milliseconds a request)."""
+    proc, url = start_double(tmp_path, {"default": {"ttft": 0.5, "gaps": [0.01], "chunk_tokens": [1, 1]}})
     try:
         ds = dataset([f"c{i}" for i in range(12)], [2] * 12)
         t0 = time.monotonic()
@@ -171,7 +174,7 @@ def test_closed_loop_holds_the_concurrency_and_has_no_send_lag(tmp_path):
     finally:
         stop(proc)
     assert seen["max_open"] == 4
-    assert 0.6 <= wall < 1.5     # 12 requests of ~0.21 s, 4 at a time: 3 rounds
+    assert 1.5 <= wall < 4.5     # 12 requests of ~0.51 s, 4 at a time: 3 rounds
     s = summarize(result)
     assert s["load"]["mode"] == "closed" and s["load"]["request_rate"] is None
     assert s["send_lag"]["count"] == 0 and "achieved_send_rate" not in s

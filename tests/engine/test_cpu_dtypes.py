@@ -1,11 +1,13 @@
 """dtype auto (resolved once, a named stand-in for the CPU probe), bf16 and INT8 weight-only serving
 against fp32 on the real SmolLM2 (docs/architecture.md's tolerances), and the KV layout message for two workers
 that resolved different dtypes."""
+import copy
+
 import pytest
 import torch
 
 from tandem.worker.engine.config import EngineConfig
-from tandem.worker.engine.cpu_features import BF16_FLAGS, cpu_flags, cpu_has_native_bf16
+from tandem.worker.engine.cpu_features import BF16_FLAGS, CPU_BF16_ENV, cpu_flags, cpu_has_native_bf16
 from tandem.worker.engine.llm_engine import LLMEngine
 from tandem.worker.transfer.protocol import layout_mismatch
 
@@ -24,11 +26,19 @@ def cpu_with_bf16() -> bool:
     return True
 
 
-def test_auto_resolves_by_cpu_probe():
+def test_auto_resolves_by_cpu_probe(monkeypatch):
     cfg = EngineConfig(model=SOURCE, dtype="auto", device="cpu")
     assert cfg.resolved_dtype(cpu_without_bf16) == "float32"
     assert cfg.resolved_dtype(cpu_with_bf16) == "bfloat16"
-    # the real probe reads this host's flags
+    # the switch forces the real probe either way, whatever this host's flags
+    for forced, want in (("0", "float32"), ("1", "bfloat16")):
+        monkeypatch.setenv(CPU_BF16_ENV, forced)
+        assert cfg.resolved_dtype() == want and cpu_has_native_bf16() == (want == "bfloat16")
+    monkeypatch.setenv(CPU_BF16_ENV, "yes")
+    with pytest.raises(ValueError, match=f"{CPU_BF16_ENV} must be 0, 1 or empty, got 'yes'"):
+        cfg.resolved_dtype()
+    # unset (or empty), the real probe reads this host's flags
+    monkeypatch.setenv(CPU_BF16_ENV, "")
     want = "bfloat16" if cpu_flags() & set(BF16_FLAGS) else "float32"
     assert cfg.resolved_dtype() == want and cpu_has_native_bf16() == (want == "bfloat16")
     assert EngineConfig(model=SOURCE, dtype="float16").resolved_dtype(cpu_with_bf16) == "float16"
@@ -88,30 +98,24 @@ def _rel(a, b) -> float:
     return float((a - b).norm() / b.norm())
 
 
-def _hf_bf16_error(engine) -> float:
-    """Transformers' own bf16-vs-fp32 relative logit error on the same prompts."""
-    from transformers import AutoModelForCausalLM
-
-    from tandem.worker.engine.loader import resolve_source
-    path = resolve_source(SOURCE)
-    m = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                             dtype=torch.float32).eval()
+def _hf_bf16_error(engine, reference) -> float:
+    """Transformers' own bf16-vs-fp32 relative logit error on the same prompts (``reference``: its fp32
+    model, cast in a copy: the same weights in both)."""
     out = {}
-    for dt in (torch.float32, torch.bfloat16):   # one GGUF read, cast: the same weights in both
-        m = m.to(dt)
+    for m in (reference, copy.deepcopy(reference).to(torch.bfloat16)):
         with torch.inference_mode():
-            out[dt] = torch.cat([m(torch.tensor([engine.tokenize(p)])).logits[0].float() for p in PROMPTS])
+            out[m.dtype] = torch.cat([m(torch.tensor([engine.tokenize(p)])).logits[0].float() for p in PROMPTS])
     return _rel(out[torch.bfloat16], out[torch.float32])
 
 
-def test_bf16_logits_close_to_fp32_and_paris(fp32_engine):
+def test_bf16_logits_close_to_fp32_and_paris(fp32_engine, smollm2_transformers):
     """docs/architecture.md's bf16 tolerance (1e-2) is per kernel against float64; through 30 layers bf16
     rounding compounds, so the bound is 1e-2 or transformers' own bf16-vs-fp32 error on the same
     prompts (plus a quarter), whichever is larger: never worse than the reference implementation."""
     eng = _engine(dtype="bfloat16")
     assert eng.config.dtype == "bfloat16"
     err = _rel(_logits(eng), _logits(fp32_engine))
-    bound = max(1e-2, 1.25 * _hf_bf16_error(eng))
+    bound = max(1e-2, 1.25 * _hf_bf16_error(eng, smollm2_transformers))
     assert err <= bound, f"bf16: relative logit error {err:.3g} > {bound:.3g}"
     assert "Paris" in _answer(eng)
 

@@ -151,3 +151,34 @@ def test_a_corrupt_safetensors_header_names_the_file(tmp_path, tiny_llama):
     (bad / "model.safetensors").write_bytes(raw[: len(raw) // 2])   # truncated: data past the end
     with pytest.raises(ModelLoadError, match="model.safetensors.*spans bytes"):
         load_model(str(bad))
+
+
+def test_the_loaders_gguf_reader_reads_what_ggufs_own_reads(tmp_path):
+    """loader._gguf_reader slices a plain-ndarray view of the file's map (for load speed); every field
+    and tensor must be what gguf's own GGUFReader gives."""
+    import gguf
+    import numpy as np
+    from gguf.quants import dequantize, quantize
+
+    from tandem.worker.engine.loader import _gguf_reader
+    path = tmp_path / "m.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_token_list([f"t{i}" for i in range(500)])
+    w.add_string("test.text", "héllo")
+    rng = np.random.default_rng(0)
+    w.add_tensor("a.weight", rng.standard_normal((8, 64), dtype=np.float32))
+    q = quantize(rng.standard_normal((4, 64), dtype=np.float32), gguf.GGMLQuantizationType.Q4_1)
+    w.add_tensor("b.weight", q, raw_dtype=gguf.GGMLQuantizationType.Q4_1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    ours, theirs = _gguf_reader(path), gguf.GGUFReader(str(path))
+    assert list(ours.fields) == list(theirs.fields) and "test.text" in ours.fields
+    for k, f in theirs.fields.items():
+        assert ours.fields[k].contents() == f.contents(), k
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors] == ["a.weight", "b.weight"]
+    for a, b in zip(ours.tensors, theirs.tensors):
+        assert a.tensor_type == b.tensor_type and type(a.data) is np.ndarray   # not numpy's memmap subclass
+        assert np.array_equal(dequantize(a.data, a.tensor_type), dequantize(b.data, b.tensor_type))

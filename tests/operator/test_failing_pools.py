@@ -174,6 +174,10 @@ def test_partial_behavior_keeps_each_default_on_the_server(cluster, operator):
 
 @pytest.mark.timeout(120)
 def test_a_frozen_operator_delays_admission_by_seconds_and_never_fails_it(cluster, operator):
+    """Protects: the admission webhook fails open after its 5 s timeout (a frozen operator delays an
+    apply, never fails or hangs it). The bound of 30 s is 3x what a loaded 2-core machine takes (the
+    5 s timeout plus kubectl's start, about 10 s), and below what the API server's own 30 s default
+    webhook timeout would give."""
     ensure_ns(cluster, "val")
     pid = operator.pid()
     os.kill(pid, signal.SIGSTOP)
@@ -184,7 +188,7 @@ def test_a_frozen_operator_delays_admission_by_seconds_and_never_fails_it(cluste
     finally:
         os.kill(pid, signal.SIGCONT)
     print(f"\n[frozen] dry-run apply with the operator stopped by SIGSTOP: rc {r.returncode} in {took:.1f}s")
-    assert r.returncode == 0 and took < 15, (took, r.stderr)
+    assert r.returncode == 0 and took < 30, (took, r.stderr)
     # fail-open with a short timeout, stated in the configuration
     hooks = kget(cluster, "validatingwebhookconfiguration", "tandem-operator.serving.tandem.dev")["webhooks"]
     assert hooks and all(h["failurePolicy"] == "Ignore" and h["timeoutSeconds"] <= 10 for h in hooks), hooks

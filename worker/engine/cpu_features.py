@@ -3,12 +3,20 @@
 A CPU "has native bf16" when it has AVX-512-BF16 (``avx512_bf16``: bf16 dot products) or AMX
 (``amx_bf16``: bf16 tile matmuls). Without them torch still computes in bf16, but by converting to
 fp32 in software, which is slower than fp32 itself; so ``auto`` picks fp32 there.
+
+:data:`CPU_BF16_ENV` overrides the probe either way (tests run the dtype-sensitive cases as both CPU
+kinds on one machine; an operator can pin what ``auto`` means on mixed nodes).
 """
 from __future__ import annotations
 
 import functools
+import os
 
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+#: Forces the CPU-bf16 probe: ``1`` answers as a CPU with native bf16 would, ``0`` as one without;
+#: unset or empty reads the CPU's flags. Inherited by the worker processes a fleet starts.
+CPU_BF16_ENV = "TANDEM_CPU_BF16"
 
 
 def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
@@ -25,9 +33,18 @@ def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
 
 
 @functools.lru_cache(maxsize=1)
-def cpu_has_native_bf16() -> bool:
-    """True when the host CPU has AVX-512-BF16 or AMX (see :data:`BF16_FLAGS`)."""
+def _flags_have_bf16() -> bool:
     return bool(cpu_flags() & set(BF16_FLAGS))
+
+
+def cpu_has_native_bf16(environ=None) -> bool:
+    """True when the host CPU has AVX-512-BF16 or AMX (see :data:`BF16_FLAGS`), unless
+    :data:`CPU_BF16_ENV` in ``environ`` (default ``os.environ``) forces the answer. Raises ValueError
+    for a forcing value other than ``0``, ``1`` or empty."""
+    forced = (os.environ if environ is None else environ).get(CPU_BF16_ENV, "").strip()
+    if forced not in ("", "0", "1"):
+        raise ValueError(f"{CPU_BF16_ENV} must be 0, 1 or empty, got {forced!r}")
+    return forced == "1" if forced else _flags_have_bf16()
 
 
 # The variable is set by whoever starts the worker (tandem.worker.api.config.cpu_threads says from what)
