@@ -12,7 +12,8 @@ from tandem.operator.simulate.fleet import Fleet
 from tandem.worker.bench.calibration import Calibration
 
 pytestmark = pytest.mark.timeout(60)
-CAL = Calibration.load(Path(__file__).resolve().parents[2] / "bench/calibrations/llama3-8b-h200.yaml")
+CAL_PATH = Path(__file__).resolve().parents[2] / "bench/calibrations/llama3-8b-h200.yaml"
+CAL = Calibration.load(CAL_PATH)
 PERF = PerfModel.of(CAL)
 
 
@@ -95,3 +96,37 @@ def test_the_decode_token_clock_matches_step_by_step_accounting():
     assert a.tpot == pytest.approx(PERF.decode_step_seconds(3, 513), rel=1e-6)
     last = f.requests[3]
     assert last.tpot == pytest.approx(PERF.decode_step_seconds(1, 2049), rel=1e-6)
+
+
+def test_simulate_an_imported_trace_as_a_user_would(tmp_path):
+    """`tandem simulate --trace IMPORTED --calibration llama3-8b-h200.yaml` without a pool: the SLOs
+    come from the trace's p90 lengths (scenarios.trace_slo), every baseline is tuned on the trace's
+    first half and its knobs kept in --tuned, which a second run reads instead of tuning again."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tandem.operator.simulate import scenarios as S
+    from tandem.worker.bench.trace import read_trace
+    env = {**os.environ, "PYTHONSAFEPATH": "1"}
+    cli = [sys.executable, "-m", "tandem.worker.cli"]
+    data = Path(__file__).resolve().parents[1] / "bench" / "data" / "mooncake_small.jsonl"
+    trace = tmp_path / "m.jsonl"
+    r = subprocess.run(cli + ["bench", "trace", "import", "--format", "mooncake", str(data), "-o", str(trace),
+                              "--scale", "20"], capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode == 0, r.stderr
+    run = cli + ["simulate", "--trace", str(trace), "--calibration", str(CAL_PATH), "--json", "--tuned",
+                 str(tmp_path / "k.json"), "--write-pool", str(tmp_path / "pool.yaml")]
+    r = subprocess.run(run, capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "tuning the baselines on the trace's first half" in r.stderr
+    out = json.loads(r.stdout)
+    ttft, tpot = S.trace_slo(PERF, read_trace(trace)[1])
+    assert out["targets"] == {"ttft_p90_s": pytest.approx(ttft), "tpot_p90_s": pytest.approx(tpot)}
+    knobs = json.loads((tmp_path / "k.json").read_text())
+    assert set(knobs) == {"static", "hpa-queue", "dynamo", "apa", "oracle", "oracle-reactive"} & set(out["results"])
+    assert all(out["results"][n]["knobs"] == k for n, k in knobs.items() if n != "static")
+    r2 = subprocess.run(run, capture_output=True, text=True, env=env, timeout=120)
+    assert r2.returncode == 0 and "tuning" not in r2.stderr
+    assert json.loads(r2.stdout)["results"] == out["results"]
