@@ -184,6 +184,7 @@ class Fleet:
                 engine.get("block_size") else math.inf
         self.kv_tokens = float(kv_tokens)
         self.block_tokens = int(block_tokens)
+        self._ds = tuple(perf._ds)
         self.cache_blocks = int(self.kv_tokens // self.block_tokens) if math.isfinite(self.kv_tokens) else 10 ** 9
         self.requests = [Request(i, float(r["timestamp"]), int(r["prompt_tokens"]), int(r["output_tokens"]),
                                  r.get("hash_ids") or None) for i, r in enumerate(records)]
@@ -349,9 +350,12 @@ class Fleet:
 
     # ---- decode ------------------------------------------------------------------------------
     def _step(self, d: Replica) -> float:
-        if not d.n:
+        n = d.n
+        if not n:
             return math.inf
-        return self.perf.decode_step_seconds(d.n, d.ctx_base / d.n + d.vt)
+        # PerfModel.decode_step_seconds at a whole batch, inlined: the run calls it twice an event
+        c0, g, e, f = self._ds
+        return max(1e-4, c0 + (g if n > 1 else 0.0) + e * n + f * (d.ctx_base + n * d.vt))
 
     def _advance(self, now: float, d: Replica) -> None:
         start = max(d.last, d.pause_until)
