@@ -11,7 +11,7 @@ from tandem.operator.simulate.baselines import Static
 from tandem.operator.simulate.fleet import Fleet
 from tandem.worker.bench.calibration import Calibration
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(180)
 CAL_PATH = Path(__file__).resolve().parents[2] / "bench/calibrations/llama3-8b-h200.yaml"
 CAL = Calibration.load(CAL_PATH)
 PERF = PerfModel.of(CAL)

@@ -192,6 +192,7 @@ def test_import_names_the_bad_row(tmp_path, fmt, text, says):
         import_trace(fmt, src)
 
 
+@pytest.mark.timeout(180)
 def test_import_cli_errors_and_serve_shares_prefix_blocks(tmp_path):
     """The CLI reports a bad row and a bad --window with exit 2 and writes nothing; `bench serve
     --dataset trace` on an imported Mooncake trace gives requests that share hash_ids the same leading
