@@ -68,7 +68,8 @@ def _serve(args) -> int:
         else args.arrival
     load = LoadShape(arrival, args.request_rate, args.burstiness, args.ramp_end_rate, args.concurrency, args.seed)
     target = Target(args.base_url, args.model, args.endpoint, not args.no_ignore_eos, args.min_tokens,
-                    args.temperature, args.timeout, api_key=os.environ.get("OPENAI_API_KEY") or None)
+                    args.temperature, args.timeout, api_key=os.environ.get("OPENAI_API_KEY") or None,
+                    tokenizer=args.tokenizer)
     out = Path(args.output_dir) if args.output_dir else None
     if out:
         out.mkdir(parents=True, exist_ok=True)
@@ -135,8 +136,10 @@ def _add_serve(sub) -> None:
     g.add_argument("--dataset-path", help="sharegpt: the JSON file; trace: the JSON Lines trace")
     g.add_argument("--load-dataset", help="a dataset saved with --save-dataset (overrides --dataset)")
     g.add_argument("--save-dataset", help="write the drawn dataset here (JSON Lines)")
-    g.add_argument("--tokenizer", default=None, help="model source whose tokenizer sizes the prompts "
-                   "(default: the SmolLM2 package)")
+    g.add_argument("--tokenizer", default=None, help="model source (PATH of a .gguf or HF directory, or "
+                   "package:PKG/FILE) whose tokenizer sizes the prompts (default: the SmolLM2 package) and counts "
+                   "the tokens of streams without usage (default: a tandem server's own model; otherwise such "
+                   "streams are no_usage errors)")
     g.add_argument("--num-prompts", type=int, default=None,
                    help=f"requests to draw (default {DEFAULT_NUM_PROMPTS}); trace: the first N (default: all)")
     g.add_argument("--input-len", type=int, default=128, help="prompt tokens (prefix: question; multiturn: each user turn)")

@@ -28,7 +28,8 @@ def write_requests(result: RunResult, path: str | Path) -> None:
                 "end": unix(r.end_mono), "ttft": r.ttft if r.ok else None, "tpot": r.tpot,
                 "e2e": r.e2e if r.ok else None, "prompt_tokens_asked": r.prompt_tokens_asked,
                 "output_tokens_asked": r.output_tokens_asked, "prompt_tokens": r.prompt_tokens,
-                "completion_tokens": r.completion_tokens, "status": r.status, "error_kind": r.error_kind,
+                "completion_tokens": r.completion_tokens, "token_source": r.token_source, "status": r.status,
+                "error_kind": r.error_kind,
                 "error": r.error}) + "\n")
 
 
@@ -44,6 +45,15 @@ def _fmt(v) -> str:
     return str(v)
 
 
+def _counted_by(summary: dict) -> str:
+    """``usage: 12, tokenizer (package:...): 4``: how the successful requests' tokens were counted."""
+    parts = []
+    for k, v in (summary.get("token_counts") or {}).items():
+        src = f" ({summary['tokenizer']})" if k == "tokenizer" and summary.get("tokenizer") else ""
+        parts.append(f"{k}{src}: {v}")
+    return ", ".join(parts) or "-"
+
+
 def print_summary(summary: dict, console=None) -> None:
     """The summary as a table on the terminal (rich)."""
     from rich.console import Console
@@ -54,6 +64,7 @@ def print_summary(summary: dict, console=None) -> None:
     t.add_column("value", justify="right")
     rows = [("requests (completed / failed)", f"{summary['completed']} / {summary['failed']}"),
             ("errors by kind", ", ".join(f"{k}: {v}" for k, v in summary["errors_by_kind"].items()) or "-"),
+            ("tokens counted by (requests)", _counted_by(summary)),
             ("duration (s)", _fmt(summary["duration_s"])),
             ("request throughput (req/s)", _fmt(summary["request_throughput"])),
             ("output token throughput (tok/s)", _fmt(summary["output_throughput"])),
