@@ -37,7 +37,7 @@ def stand_in():
         proc.wait(10)
 
 
-def test_counts_without_usage_match_the_tokenizer(stand_in, tmp_path):
+def test_counts_without_usage_match_the_tokenizer(stand_in, tmp_path, capsys):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "tandem.worker.cli", "bench", "serve", "--base-url", stand_in + "/v1",
            "--model", "stand-in", "--dataset", "random", "--num-prompts", "9", "--input-len", "24",
@@ -82,3 +82,18 @@ def test_counts_without_usage_match_the_tokenizer(stand_in, tmp_path):
     assert s["errors_by_kind"] == {"no_usage": 6}
     assert all("pass --tokenizer" in r.error for r in res.records if not r.ok)
     assert s["token_counts"] == {"usage": 3} and s["tokenizer"] is None
+
+    # `tandem bench compare` recomputes goodput at a stated SLO from requests.jsonl, and plots the CDFs
+    from tandem.worker.cli import main
+    png = tmp_path / "cdf.png"
+    assert main(["bench", "compare", str(out), str(out), "--names", "loose", "strict", "--markdown",
+                 "--cdf", str(png)]) == 0
+    assert main(["bench", "compare", str(out), "--slo", "ttft=60", "--markdown"]) == 0
+    assert main(["bench", "compare", str(out), "--slo", "ttft=0.000001", "--markdown"]) == 0
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("| ")]
+    assert "| server |" in lines[0] and len(lines) == 4 + 3 + 3    # header, separator, rows
+    loose, strict = lines[6].split(" | "), lines[9].split(" | ")
+    col = lines[0].split(" | ").index("goodput (req/s)")
+    assert float(loose[col]) == pytest.approx(8 / summary["duration_s"], rel=0.01) and float(strict[col]) == 0
+    assert "8 / 1" in lines[2] and "usage 3, tokenizer 5" in lines[2]
+    assert png.stat().st_size > 10_000

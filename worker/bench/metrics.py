@@ -50,15 +50,22 @@ def stats_ms(values: list[float], percentiles=DEFAULT_PERCENTILES) -> dict:
             **{f"p{p:g}": float(np.percentile(a, p)) for p in percentiles}, "count": int(a.size)}
 
 
+def meets_values(ok: bool, ttft: float | None, tpot: float | None, e2e: float | None,
+                 slo: dict[str, float]) -> bool:
+    """Whether a request that succeeded (``ok``) with these latencies (s) met every SLO (a TPOT SLO
+    is met by a 1-token answer, whose TPOT is None)."""
+    if not ok:
+        return False
+    if "ttft" in slo and ttft > slo["ttft"]:
+        return False
+    if "tpot" in slo and tpot is not None and tpot > slo["tpot"]:
+        return False
+    return not ("e2e" in slo and e2e > slo["e2e"])
+
+
 def meets(rec: RequestRecord, slo: dict[str, float]) -> bool:
-    """Whether a request succeeded and met every SLO (a TPOT SLO is met by a 1-token answer)."""
-    if not rec.ok:
-        return False
-    if "ttft" in slo and rec.ttft > slo["ttft"]:
-        return False
-    if "tpot" in slo and rec.tpot is not None and rec.tpot > slo["tpot"]:
-        return False
-    return not ("e2e" in slo and rec.e2e > slo["e2e"])
+    """Whether a request succeeded and met every SLO (:func:`meets_values`)."""
+    return meets_values(rec.ok, rec.ttft, rec.tpot, rec.e2e, slo)
 
 
 def summarize(result: RunResult, slo: dict[str, float] | None = None, percentiles=DEFAULT_PERCENTILES) -> dict:
