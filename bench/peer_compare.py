@@ -117,14 +117,17 @@ def main() -> int:
     slo = args.slo.replace(",", " ").split()
     dsets = out / "datasets"
     if not args.skip_runs:
-        dsets.mkdir(exist_ok=True)
-        maker = PromptMaker(load_tokenizer(DEFAULT_TOKENIZER))
-        ds.random_dataset(maker, args.num_prompts, args.input_len, args.output_len, seed=3).save(dsets / "random.jsonl")
-        ds.prefix_dataset(maker, num_prefixes=2, prefix_len=256, questions=4, question_len=32,
-                          output_len=args.output_len, seed=0).save(dsets / "prefix.jsonl")
-        ds.multiturn_dataset(maker, sessions=3, turns=3, user_len=32, output_len=args.output_len, think_time=0.5,
-                             system_len=64, seed=0).save(dsets / "multiturn.jsonl")
-        ds.random_dataset(maker, 2, 16, 4, seed=9).save(dsets / "warmup.jsonl")
+        # drawn once: a later call for another server (--servers llamacpp) replays the same files
+        if not (dsets / "random.jsonl").is_file():
+            dsets.mkdir(exist_ok=True)
+            maker = PromptMaker(load_tokenizer(DEFAULT_TOKENIZER))
+            ds.random_dataset(maker, args.num_prompts, args.input_len, args.output_len, seed=3).save(
+                dsets / "random.jsonl")
+            ds.prefix_dataset(maker, num_prefixes=2, prefix_len=256, questions=4, question_len=32,
+                              output_len=args.output_len, seed=0).save(dsets / "prefix.jsonl")
+            ds.multiturn_dataset(maker, sessions=3, turns=3, user_len=32, output_len=args.output_len,
+                                 think_time=0.5, system_len=64, seed=0).save(dsets / "multiturn.jsonl")
+            ds.random_dataset(maker, 2, 16, 4, seed=9).save(dsets / "warmup.jsonl")
         commands = out / "commands.txt"
         for kind in servers:
             port = free_port()
