@@ -187,9 +187,13 @@ def test_router_counts_a_prefill_worker_only_until_the_first_token(fleet):
 
 
 def test_models_health_and_metrics_routes(fleet):
+    from tandem.worker.bench.counting import served_tokenizer
     models = requests.get(fleet.endpoint + "/v1/models", timeout=10).json()
     assert models["data"][0]["id"] == MODEL
     (decode,) = urls(fleet, "decode")
+    # both name the model source (vLLM's `root`): `tandem bench serve` counts usage-less streams with it
+    worker_models = requests.get(decode + "/v1/models", timeout=10).json()
+    assert served_tokenizer(models) == served_tokenizer(worker_models) == "package:" + fleet.pool.spec.model.source.package
     h = requests.get(decode + "/health", timeout=10).json()
     assert h["role"] == "decode" and h["num_blocks"] > 0
     text = requests.get(decode + "/metrics", timeout=10).text

@@ -68,7 +68,8 @@ def _serve(args) -> int:
         else args.arrival
     load = LoadShape(arrival, args.request_rate, args.burstiness, args.ramp_end_rate, args.concurrency, args.seed)
     target = Target(args.base_url, args.model, args.endpoint, not args.no_ignore_eos, args.min_tokens,
-                    args.temperature, args.timeout, api_key=os.environ.get("OPENAI_API_KEY") or None)
+                    args.temperature, args.timeout, api_key=os.environ.get("OPENAI_API_KEY") or None,
+                    tokenizer=args.tokenizer)
     out = Path(args.output_dir) if args.output_dir else None
     if out:
         out.mkdir(parents=True, exist_ok=True)
@@ -115,13 +116,37 @@ def _serve(args) -> int:
 
 
 def _compare(args) -> int:
-    from tandem.worker.bench.report import print_compare
+    """Two summaries: the ratio table B/A (every metric). More runs, or --table/--markdown/--cdf/--slo:
+    the side-by-side table of the headline metrics, one row per run (report.side_by_side)."""
+    from tandem.worker.bench import report
+    from tandem.worker.bench.metrics import parse_slo
     try:
-        a, b = (json.loads(Path(p).read_text()) for p in (args.a, args.b))
+        slo = parse_slo(args.slo)
+        runs = [report.load_run(p) for p in args.runs]
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print_compare(a, b, (Path(args.a).parent.name or args.a, Path(args.b).parent.name or args.b))
+    if args.names and len(args.names) != len(runs):
+        print(f"error: --names gives {len(args.names)} names for {len(runs)} runs", file=sys.stderr)
+        return 2
+    names = args.names or [Path(p).parent.name if Path(p).is_file() else Path(p).name for p in args.runs]
+    if len(runs) == 2 and not (args.table or args.markdown or args.cdf or slo):
+        report.print_compare(runs[0]["summary"], runs[1]["summary"], tuple(names))
+        return 0
+    rows = report.side_by_side(list(zip(names, runs)), slo)
+    title = f"tandem bench compare (goodput at {slo})" if slo else "tandem bench compare"
+    if args.markdown:
+        print(report.side_by_side_markdown(rows))
+    else:
+        report.print_side_by_side(rows, title)
+    if args.cdf:
+        from tandem.worker.bench.plots import compare_cdfs
+        missing = [n for n, r in zip(names, runs) if r["requests"] is None]
+        if missing:
+            print(f"error: --cdf needs requests.jsonl beside each summary; missing for {', '.join(missing)}",
+                  file=sys.stderr)
+            return 2
+        compare_cdfs([(n, r["requests"]) for n, r in zip(names, runs)], args.cdf, args.cdf_title or "")
     return 0
 
 
@@ -135,8 +160,10 @@ def _add_serve(sub) -> None:
     g.add_argument("--dataset-path", help="sharegpt: the JSON file; trace: the JSON Lines trace")
     g.add_argument("--load-dataset", help="a dataset saved with --save-dataset (overrides --dataset)")
     g.add_argument("--save-dataset", help="write the drawn dataset here (JSON Lines)")
-    g.add_argument("--tokenizer", default=None, help="model source whose tokenizer sizes the prompts "
-                   "(default: the SmolLM2 package)")
+    g.add_argument("--tokenizer", default=None, help="model source (PATH of a .gguf or HF directory, or "
+                   "package:PKG/FILE) whose tokenizer sizes the prompts (default: the SmolLM2 package) and counts "
+                   "the tokens of streams without usage (default: a tandem server's own model; otherwise such "
+                   "streams are no_usage errors)")
     g.add_argument("--num-prompts", type=int, default=None,
                    help=f"requests to draw (default {DEFAULT_NUM_PROMPTS}); trace: the first N (default: all)")
     g.add_argument("--input-len", type=int, default=128, help="prompt tokens (prefix: question; multiturn: each user turn)")
@@ -181,9 +208,16 @@ def add_bench_commands(sub) -> None:
     b = sub.add_parser("bench", help="load generator, calibration and trace generators")
     bsub = b.add_subparsers(dest="bench_command", required=True)
     _add_serve(bsub)
-    c = bsub.add_parser("compare", help="two runs' summary.json side by side, with ratios B/A")
-    c.add_argument("a")
-    c.add_argument("b")
+    c = bsub.add_parser("compare", help="runs side by side (servers or loads on the same dataset); "
+                        "two runs alone: every metric with ratios B/A")
+    c.add_argument("runs", nargs="+", help="summary.json files, or the run folders holding them")
+    c.add_argument("--names", nargs="*", default=None, help="a name per run (default: the folder names)")
+    c.add_argument("--slo", nargs="*", default=None,
+                   help="goodput at this SLO, recomputed from each run's requests.jsonl (e.g. ttft=1 tpot=0.2)")
+    c.add_argument("--table", action="store_true", help="the side-by-side table even for two runs")
+    c.add_argument("--markdown", action="store_true", help="print the side-by-side table as Markdown")
+    c.add_argument("--cdf", default=None, metavar="PNG", help="TTFT and TPOT CDFs, one line per run")
+    c.add_argument("--cdf-title", default=None)
     c.set_defaults(func=_compare)
     try:
         from tandem.worker.bench.calibrate import add_calibrate_command

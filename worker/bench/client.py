@@ -5,7 +5,13 @@ stream's role-only chunk and empty chunks do not count). Every content chunk's a
 ITL is the gap between consecutive content chunks, so a chunk that carries several tokens is one gap
 (vLLM's convention; a server that batches tokens per chunk shows longer, fewer gaps). The output
 token count comes from the usage the server returns (``stream_options.include_usage``), never from
-counting chunks; a stream without usage is an error of kind ``no_usage``.
+counting chunks. A stream without usage (llama-cpp-python's server sends none) keeps its text and
+prompt, and the runner counts both with the model's tokenizer after the run (``counting.py``), as
+``vllm bench serve`` does; the record says which way it was counted (``token_source``).
+
+A stream that ends before ``data: [DONE]``, or whose connection breaks mid-body, is ``incomplete``;
+whatever the server wrote that was not an SSE data line (a plain-text error, an ``event: error``
+block) is kept in the error message as the server's words.
 """
 from __future__ import annotations
 
@@ -35,8 +41,10 @@ class RequestRecord:
     end_mono: float | None = None
     prompt_tokens_asked: int = 0
     output_tokens_asked: int = 0
-    prompt_tokens: int | None = None        # from the server's usage
-    completion_tokens: int | None = None    # from the server's usage
+    prompt_tokens: int | None = None        # from the server's usage, or counted (token_source)
+    completion_tokens: int | None = None    # from the server's usage, or counted (token_source)
+    token_source: str | None = None         # usage | tokenizer (None: not counted yet, or failed)
+    prompt_sent: object = None              # messages or prompt, kept only to count a stream without usage
     status: str = "ok"                      # ok | error
     # http_<code> | stream_error | incomplete | disconnected | no_usage | connect | timeout | ...
     error_kind: str | None = None
@@ -97,6 +105,7 @@ class Target:
     #: SDK retries connection errors and 5xx: a restarting router (the chaos soak) loses no request that
     #: it never saw begin
     resend_s: float = 0.0
+    tokenizer: str | None = None    # counts streams without usage (counting.py); None: tandem's served model
 
     @property
     def url(self) -> str:
@@ -149,6 +158,11 @@ async def _send_once(session: aiohttp.ClientSession, target: Target, req: BenchR
     rec.prompt_tokens_asked, rec.output_tokens_asked = req.prompt_tokens, req.output_tokens
     body = target.body(req, history)
     head = False   # the response's head arrived
+    words: list[str] = []   # what the server wrote outside SSE data lines: its words if it ends early
+
+    def said() -> str:
+        return f"; the server said: {' | '.join(words)[:300]}" if words else ""
+
     try:
         headers = {"X-Bench-Request-Id": rec.id, **target.headers}
         if target.api_key:
@@ -169,6 +183,9 @@ async def _send_once(session: aiohttp.ClientSession, target: Target, req: BenchR
                 for line in lines:
                     line = line.strip()
                     if not line.startswith(b"data:"):
+                        # SSE comments (":") and blank separators are not words; event:/id: lines are
+                        if line and not line.startswith(b":") and len(words) < 8:
+                            words.append(line.decode("utf-8", "replace"))
                         continue
                     payload = line[5:].strip()
                     if payload == b"[DONE]":
@@ -189,13 +206,17 @@ async def _send_once(session: aiohttp.ClientSession, target: Target, req: BenchR
                         parts.append(text)
             rec.end_mono = time.monotonic()
             rec.text = "".join(parts)
+            if buf.strip():
+                words.append(buf.strip().decode("utf-8", "replace"))
             if not done:
-                return rec.fail("incomplete", "the stream ended without [DONE]")
-            if not usage:
-                return rec.fail("no_usage", "the stream carried no usage (stream_options.include_usage)")
-            rec.prompt_tokens, rec.completion_tokens = usage.get("prompt_tokens"), usage.get("completion_tokens")
+                return rec.fail("incomplete", "the stream ended without [DONE]" + said())
             if rec.first_token_mono is None:
                 return rec.fail("no_tokens", "the stream carried no token text")
+            if usage:
+                rec.prompt_tokens, rec.completion_tokens = usage.get("prompt_tokens"), usage.get("completion_tokens")
+                rec.token_source = "usage"
+            else:   # counted after the run with the tokenizer (counting.py), or failed there as no_usage
+                rec.prompt_sent = body.get("messages", body.get("prompt"))
             return rec
     except asyncio.TimeoutError:
         return rec.fail("timeout", f"no answer within {target.timeout} s")
@@ -204,7 +225,7 @@ async def _send_once(session: aiohttp.ClientSession, target: Target, req: BenchR
     except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as e:
         # before the head: nothing came back (a reused connection reset, the server gone), so the
         # request may be sent again (``Target.resend_s``)
-        return rec.fail("incomplete" if head else "disconnected", f"{type(e).__name__}: {e}")
+        return rec.fail("incomplete" if head else "disconnected", f"{type(e).__name__}: {e}" + said())
     except aiohttp.ClientError as e:
         return rec.fail("client_error", f"{type(e).__name__}: {e}")
     except json.JSONDecodeError as e:

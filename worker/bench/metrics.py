@@ -3,8 +3,10 @@
 - TTFT: send to the first chunk with token text. TPOT: (E2E - TTFT) / (output tokens - 1), for
   requests with >= 2 output tokens. ITL: every gap between consecutive content chunks, pooled over
   requests. E2E: send to the end of the stream. Latencies are reported in milliseconds.
-- Throughput: successful requests, output tokens (from usage) and prompt + output tokens per second
-  of the run's duration (from the first intended send to the last response's end).
+- Throughput: successful requests, output tokens and prompt + output tokens per second of the run's
+  duration (from the first intended send to the last response's end). Token counts come from the
+  server's usage, or from the tokenizer for streams without usage (``token_counts`` says how many
+  requests were counted each way, ``tokenizer`` which one counted; counting.py).
 - Goodput: successful requests per second that meet every SLO given (vLLM's ``--goodput``).
   SLO attainment: the fraction of all requests, failed ones included, that meet every SLO.
 - Send lag: actual minus intended send time of the requests on the up-front schedule.
@@ -48,15 +50,22 @@ def stats_ms(values: list[float], percentiles=DEFAULT_PERCENTILES) -> dict:
             **{f"p{p:g}": float(np.percentile(a, p)) for p in percentiles}, "count": int(a.size)}
 
 
+def meets_values(ok: bool, ttft: float | None, tpot: float | None, e2e: float | None,
+                 slo: dict[str, float]) -> bool:
+    """Whether a request that succeeded (``ok``) with these latencies (s) met every SLO (a TPOT SLO
+    is met by a 1-token answer, whose TPOT is None)."""
+    if not ok:
+        return False
+    if "ttft" in slo and ttft > slo["ttft"]:
+        return False
+    if "tpot" in slo and tpot is not None and tpot > slo["tpot"]:
+        return False
+    return not ("e2e" in slo and e2e > slo["e2e"])
+
+
 def meets(rec: RequestRecord, slo: dict[str, float]) -> bool:
-    """Whether a request succeeded and met every SLO (a TPOT SLO is met by a 1-token answer)."""
-    if not rec.ok:
-        return False
-    if "ttft" in slo and rec.ttft > slo["ttft"]:
-        return False
-    if "tpot" in slo and rec.tpot is not None and rec.tpot > slo["tpot"]:
-        return False
-    return not ("e2e" in slo and rec.e2e > slo["e2e"])
+    """Whether a request succeeded and met every SLO (:func:`meets_values`)."""
+    return meets_values(rec.ok, rec.ttft, rec.tpot, rec.e2e, slo)
 
 
 def summarize(result: RunResult, slo: dict[str, float] | None = None, percentiles=DEFAULT_PERCENTILES) -> dict:
@@ -100,6 +109,8 @@ def summarize(result: RunResult, slo: dict[str, float] | None = None, percentile
         "slo_attainment": len(good) / len(recs) if slo and recs else None,
         "send_lag": lag,
         "completion_tokens_mismatch": sum(1 for r in ok if r.completion_tokens != r.output_tokens_asked),
+        "token_counts": dict(Counter(r.token_source for r in ok)),
+        "tokenizer": result.extra.get("tokenizer"),
     }
     # the closed loop has no request rate of its own to report
     if load.closed:

@@ -62,3 +62,25 @@ def sweep_plot(points: list[dict], path: str | Path, title: str = "") -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
+
+
+def compare_cdfs(runs: list[tuple[str, list[dict]]], path: str | Path, title: str = "") -> None:
+    """TTFT and TPOT empirical CDFs (ms), one line per run (name, rows of its ``requests.jsonl``):
+    the successful requests only, as in the summary."""
+    plt = _plt()
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    for ax, key in zip(axes, ("ttft", "tpot")):
+        for name, rows in runs:
+            x = np.sort([r[key] * 1000.0 for r in rows if r["status"] == "ok" and r.get(key) is not None])
+            if x.size:
+                ax.step(x, np.arange(1, x.size + 1) / x.size, where="post", label=f"{name} (n={x.size})")
+        ax.set_title(f"{key.upper()} CDF")
+        ax.set_xlabel(f"{key.upper()} (ms)")
+        ax.set_ylabel("fraction of requests")
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)

@@ -22,6 +22,7 @@ import aiohttp
 
 from tandem.worker.bench.arrivals import schedule
 from tandem.worker.bench.client import RequestRecord, Target, send
+from tandem.worker.bench.counting import count_without_usage, served_tokenizer
 from tandem.worker.bench.datasets import BenchRequest, Dataset
 
 
@@ -98,21 +99,25 @@ class _Progress:
             self.p.advance(self.task)
 
 
-async def _warm_up(session: aiohttp.ClientSession, target: Target) -> None:
+async def _warm_up(session: aiohttp.ClientSession, target: Target) -> dict | None:
     """One cheap GET before the clock starts (vLLM's benchmark sends a test prompt for the same
     reason): the client's first connection and first pass through aiohttp's code are slower than
     the rest, and on an open loop that shows up as send lag of the first requests. A GET of the
-    models list leaves the server's engine and any test double's request record untouched."""
+    models list leaves the server's engine and any test double's request record untouched. Returns
+    the models list (it names a tandem server's tokenizer source), or None."""
     base = target.url.split("/v1/")[0]
     with contextlib.suppress(Exception):
         async with session.get(base + "/v1/models", timeout=aiohttp.ClientTimeout(total=5)) as r:
-            await r.read()
+            return await r.json(content_type=None) if r.status == 200 else None
+    return None
 
 
 async def run(target: Target, dataset: Dataset, load: LoadShape, progress: bool = False,
               warm_up: bool = True) -> RunResult:
     """Send every request of ``dataset`` to ``target`` under ``load``; returns one record per request.
     ``warm_up`` opens the client's first connection before the clock starts (see :func:`_warm_up`).
+    Streams without usage are counted with ``target.tokenizer`` (or a tandem server's own) after the
+    run (:func:`counting.count_without_usage`); the source used is ``result.extra["tokenizer"]``.
 
     Raises ValueError for a multi-turn dataset on the completions endpoint (turns resend chat
     messages), or a trace schedule for a dataset without timestamps."""
@@ -123,8 +128,7 @@ async def run(target: Target, dataset: Dataset, load: LoadShape, progress: bool 
     connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
     with _Progress(len(dataset.requests), progress, load.describe()) as bar:
         async with aiohttp.ClientSession(connector=connector) as session:
-            if warm_up:
-                await _warm_up(session, target)
+            models = await _warm_up(session, target) if warm_up else None
 
             async def one_unit(turns: list[BenchRequest], intended: float | None) -> None:
                 history: list[dict] = []
@@ -181,4 +185,6 @@ async def run(target: Target, dataset: Dataset, load: LoadShape, progress: bool 
             end = max([r.end_mono for r in records if r.end_mono] + [start])
     order = {r.id: i for i, r in enumerate(dataset.requests)}
     records.sort(key=lambda r: order.get(r.id, 0))
-    return RunResult(records, load, start, end, start_unix, dataset.kind)
+    source = target.tokenizer or served_tokenizer(models)
+    extra = {"tokenizer": source} if count_without_usage(records, source) else {}
+    return RunResult(records, load, start, end, start_unix, dataset.kind, extra)

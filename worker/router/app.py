@@ -210,7 +210,9 @@ class Router:
 
     async def models(self, request):
         return web.json_response({"object": "list", "data": [
-            {"id": self.model_name, "object": "model", "created": 0, "owned_by": "tandem"}]})
+            # root: the model source (vLLM's field); `tandem bench serve` loads its tokenizer from it
+            {"id": self.model_name, "object": "model", "created": 0, "owned_by": "tandem",
+             "root": self.model_source}]})
 
     async def metrics_route(self, request):
         self.metrics.in_flight.set(self.in_flight)

@@ -140,6 +140,8 @@ class WorkerServer:
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [
             {"id": self.model_name, "object": "model", "created": 0, "owned_by": "tandem",
+             # root: the model source (vLLM's field); `tandem bench serve` loads its tokenizer from it
+             "root": getattr(getattr(self.engine, "config", None), "model", None),
              "max_model_len": self.engine.max_model_len}]})
 
     async def metrics_route(self, request: web.Request) -> web.Response:
