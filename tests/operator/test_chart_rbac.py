@@ -90,7 +90,8 @@ def test_the_api_server_enforces_it(cluster, helm_bin):
     for extra in ([], ["watchNamespaces={" + ",".join(NAMESPACED) + "}"]):
         docs = [d for d in yaml.safe_load_all(render_chart(helm_bin, *sets, *extra))
                 if d and d["kind"] in kinds and d["metadata"].get("namespace") != OPERATOR_NS]
-        cluster.kubectl("apply", "-f", "-", input="\n---\n".join(json.dumps(d) for d in docs))
+        as_list = json.dumps({"apiVersion": "v1", "kind": "List", "items": docs})   # one JSON document
+        cluster.kubectl("apply", "-f", "-", input=as_list)
         own = "rbac-check.serving.tandem.dev"
         assert can_i(cluster, "rbac-check", "patch", f"validatingwebhookconfigurations/{own}")
         assert not can_i(cluster, "rbac-check", "patch", "validatingwebhookconfigurations/another-policy")
@@ -105,4 +106,4 @@ def test_the_api_server_enforces_it(cluster, helm_bin):
                 assert not can_i(cluster, "rbac-check", "patch", "deployments", ns), ns
                 assert not can_i(cluster, "rbac-check", "create", "rolebindings", ns), ns
         # the next render replaces these objects; a ClusterRole keeps only what that render grants
-        cluster.kubectl("delete", "-f", "-", input="\n---\n".join(json.dumps(d) for d in docs), check=False)
+        cluster.kubectl("delete", "-f", "-", input=as_list, check=False)
