@@ -365,7 +365,7 @@ def run_chaos(cfg: ChaosConfig, log=None) -> dict:
         loop.start()
         injector = Injector(fleet, cfg.seed, cfg.stop_s, cfg.cut_s, out=log)
         target = Target(fleet.endpoint, fleet.pool.spec.model.name, "completions", timeout=cfg.deadline_s,
-                        headers=fleet.worker_headers, resend_s=cfg.deadline_s,
+                        headers=lambda: fleet.worker_headers, resend_s=cfg.deadline_s,
                         api_key=fleet.api_keys[0] if fleet.api_keys else None)
         log.write(f"[chaos] capacity {capacity:.2f} req/s, load {rate:.2f} req/s, {n} requests, "
                   f"{len(schedule)} faults\n")

@@ -19,6 +19,7 @@ import asyncio
 import json
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import aiohttp
 
@@ -99,7 +100,9 @@ class Target:
     timeout: float = 600.0
     extra_body: dict = field(default_factory=dict)
     api_key: str | None = None      # sent as Authorization: Bearer (docs/security.md)
-    headers: dict = field(default_factory=dict)   # more request headers (the chaos soak's pool token)
+    #: more request headers: a dict, or a function called for every send that returns one (the chaos
+    #: soak's pool token, which is accepted once: docs/security.md)
+    headers: dict | Callable[[], dict] = field(default_factory=dict)
     #: send again, for up to this many seconds after the first send, a request whose connection failed
     #: before any answer (refused, or closed before the response's head) or that got a 503, as OpenAI's
     #: SDK retries connection errors and 5xx: a restarting router (the chaos soak) loses no request that
@@ -164,7 +167,8 @@ async def _send_once(session: aiohttp.ClientSession, target: Target, req: BenchR
         return f"; the server said: {' | '.join(words)[:300]}" if words else ""
 
     try:
-        headers = {"X-Bench-Request-Id": rec.id, **target.headers}
+        extra = target.headers() if callable(target.headers) else target.headers
+        headers = {"X-Bench-Request-Id": rec.id, **extra}
         if target.api_key:
             headers["Authorization"] = f"Bearer {target.api_key}"
         left = target.timeout - (time.monotonic() - rec.send_mono)
