@@ -146,6 +146,10 @@ def test_a_tiny_temperature_answers_greedily(fleet, targets, endpoint, temperatu
     decode worker's (its local fallback), leaving the pool down; now it is greedy, and the fleet
     answers normally right after."""
     body = dict(BASE[endpoint], max_tokens=8)
+    if endpoint == "chat":
+        # a system message of its own: the default one's blocks, once cached on the shared fleet's
+        # decode worker, would make later tests' chats prefill there (the router's decode_cached rule)
+        body["messages"] = [{"role": "system", "content": "Answer in one word."}, body["messages"][0]]
     greedy = requests.post(fleet.endpoint + PATH[endpoint], json={**body, "temperature": 0}, timeout=300)
     tiny = requests.post(fleet.endpoint + PATH[endpoint], json={**body, "temperature": temperature}, timeout=300)
     assert greedy.status_code == tiny.status_code == 200, tiny.text
