@@ -198,7 +198,9 @@ class LocalFleet:
                         self._crashed(p, now)
         if exited:
             self.write_discovery()
-        for p in self.workers() + [p for p in self.procs if p.role == "router"]:
+        with self.lock:
+            procs = list(self.procs)
+        for p in procs:
             if p.state == "starting" and p.popen.poll() is None and _ready(p.url):
                 with self.lock:
                     if p.state == "starting":
@@ -312,10 +314,7 @@ class LocalFleet:
         """Router first, then workers: SIGTERM (drain, then exit), SIGKILL after ``grace`` seconds.
         Then the temporary config folder goes."""
         with self.lock:
-            self.stopping = True
-            for p in self.procs:
-                if p.state == "restarting":   # exited already: nothing to stop
-                    p.popen.poll()
+            self.stopping = True   # the supervisor restarts nothing from here on
         if self._supervisor is not None:
             self._supervisor.join(timeout=5)
         for group in ([p for p in self.procs if p.role == "router"],
