@@ -25,7 +25,7 @@ from aiohttp import web
 
 from tandem.worker.api import auth
 from tandem.worker.api.block_hash import block_hashes
-from tandem.worker.api.errors import InvalidRequestError, error_body
+from tandem.worker.api.errors import InvalidRequestError, error_event
 from tandem.worker.api.http import (DEFAULT_MAX_REQUEST_BYTES, PREFILL_PEER_HEADER, TTFT_HEADER, json_error,
                                     openai_app)
 from tandem.worker.api.openai import max_prompt_chars, read_request_async
@@ -474,10 +474,8 @@ class Router:
         self.metrics.router_stream_errors.labels(**self.metrics.labels, reason=reason).inc()
         message = ("the decode worker serving this stream failed mid-stream" if reason == "decode_worker_lost"
                    else f"the decode worker serving this stream sent nothing for {self.stream_idle_timeout:.0f} s")
-        body = error_body(message, 502, None, "server_error")
-        body["error"]["reason"] = reason
         with contextlib.suppress(ConnectionResetError, aiohttp.ClientConnectionResetError):
-            await resp.write(b"data: " + json.dumps(body).encode() + b"\n\n")
+            await resp.write(error_event(message, 502, reason=reason))
             await resp.write_eof()
         return resp
 

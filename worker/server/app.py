@@ -7,7 +7,6 @@ prefill peer (header ``X-Tandem-Prefill-Peer``), in which case the prompt's KV i
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import time
 
@@ -15,7 +14,7 @@ import aiohttp
 from aiohttp import web
 
 from tandem.worker.api import auth
-from tandem.worker.api.errors import InvalidRequestError, error_body
+from tandem.worker.api.errors import InvalidRequestError, error_event
 from tandem.worker.api.http import (DEFAULT_MAX_REQUEST_BYTES, PREFILL_PEER_HEADER, TTFT_HEADER, json_error,
                                     openai_app)
 from tandem.worker.api.openai import max_prompt_chars, read_request_async
@@ -238,7 +237,7 @@ class WorkerServer:
                 async for out in outs:
                     if out.finish_reason == "error":
                         finish(out)
-                        await resp.write(_error_event(f"the request failed: {out.error}"))
+                        await resp.write(error_event(f"the request failed: {out.error}"))
                         await resp.write(builder.DONE)
                         await resp.write_eof()
                         return resp
@@ -256,7 +255,7 @@ class WorkerServer:
             return resp
         except EngineDead as e:
             with contextlib.suppress(ConnectionResetError, aiohttp.ClientConnectionResetError):
-                await resp.write(_error_event(str(e)))
+                await resp.write(error_event(str(e)))
         return resp
 
     def _count(self, reason: str) -> None:
@@ -271,11 +270,6 @@ class WorkerServer:
             self.metrics.queue_time.observe(first.queue_time)
             self.metrics.prefill_time.observe(first.prefill_time)
         self._count(out.finish_reason)
-
-
-def _error_event(message: str) -> bytes:
-    """An SSE event carrying an OpenAI error object (``server_error``, 500)."""
-    return b"data: " + json.dumps(error_body(message, 500, None, "server_error")).encode() + b"\n\n"
 
 
 async def _chain(first, gen):
