@@ -18,6 +18,14 @@ def stream_chat(url, i):
     return read_stream(r)
 
 
+def decisions(router: str, decision: str) -> float:
+    """The router's count of one routing decision (0 before its first)."""
+    try:
+        return metric(router, "tandem:router_routing_decisions_total", decision=decision)
+    except LookupError:
+        return 0.0
+
+
 def test_prefill_worker_killed_mid_load():
     fleet = start_fleet(name="e2e-kill")
     try:
@@ -28,18 +36,28 @@ def test_prefill_worker_killed_mid_load():
             # kill while transfers are open on the prefill worker (each takes seconds of prefill on the CPU)
             assert wait_for(lambda: requests.get(prefill.url + "/health", timeout=5).json()["in_flight"] >= 3,
                             120, 0.05)
+            killed = prefill.popen.pid
             prefill.popen.kill()
             prefill.popen.wait()
             results = [f.result() for f in futs]      # raises if any stream broke
-            # and requests after the death still work (the router routes around the dead worker)
+            fallbacks = metric(decode, "tandem:local_prefill_fallbacks_total")
+            assert fallbacks > 0
+            before = {d: decisions(fleet.endpoint, d) for d in ("no_prefill_worker", "remote")}
+            # and requests after the death still work: the router routes around the dead worker, or to
+            # the one the fleet's supervisor started in its place (1 s backoff plus start-up, which
+            # a fast CPU finishes before the first eight are done)
             more = [ex.submit(stream_chat, fleet.endpoint, 100 + i) for i in range(3)]
             results += [f.result() for f in more]
         assert len(results) == 11
         for text, chunks in results:
             assert text and chunks[-1]["choices"][0]["finish_reason"] == "length"
-        assert metric(decode, "tandem:local_prefill_fallbacks_total") > 0
+        # none of the later three was sent to the dead worker (each would have fallen back again)
+        assert metric(decode, "tandem:local_prefill_fallbacks_total") == fallbacks
+        after = {d: decisions(fleet.endpoint, d) for d in before}
+        local, remote = (after[d] - before[d] for d in ("no_prefill_worker", "remote"))
+        assert local + remote == 3, (before, after)
+        if remote:
+            assert prefill.popen.pid != killed and prefill.state == "ready", "remote prefill with no live worker"
         assert wait_for(lambda: metric(decode, "tandem:kv_cache_usage_perc") == 0.0, 30)
-        routed_local = metric(fleet.endpoint, "tandem:router_routing_decisions_total", decision="no_prefill_worker")
-        assert routed_local >= 1
     finally:
         fleet.stop(grace=10)
