@@ -102,6 +102,19 @@ class PerfModel:
         n = float(prompt_tokens)
         return max(1e-4, a + b * n + c * n * n)
 
+    def cached_prefill_seconds(self, prompt_tokens: float, cached_tokens: float = 0.0) -> float:
+        """Prefill compute (s) of a prompt whose first ``cached_tokens`` are in the prefix cache: the
+        calibration's a + b*n + c*n^2 + d*n*k at n = the uncached tokens, k = the cached ones."""
+        a, b, c, d = self._pf
+        n, k = max(0.0, float(prompt_tokens) - cached_tokens), float(cached_tokens)
+        return max(1e-4, a + b * n + c * n * n + d * n * k)
+
+    def kv_transfer_seconds(self, prompt_tokens: float) -> float:
+        """The prefill-to-decode KV transfer of a whole prompt (s) by the calibration's fit (0 without one)."""
+        if self._kv is None:
+            return 0.0
+        return self._kv[0] + self._kv[1] * prompt_tokens * self.kv_bytes_per_token
+
     def remote_prefill_seconds(self, prompt_tokens: float) -> float:
         """TTFT of one remote prefill on an idle prefill replica, and the time it holds that replica (s)."""
         got = self._remote.get(prompt_tokens)

@@ -1,11 +1,16 @@
 """``tandem simulate``: replay a trace against a pool's policy and the baselines on a simulated clock.
 
-    tandem simulate --pool MANIFEST --trace TRACE --calibration FILE [--policy NAME|all] [--json] [--plot PNG]
+    tandem simulate --trace TRACE [--pool MANIFEST] --calibration FILE [--policy NAME|all] [--tuned K.json]
     tandem simulate --scenario step [--seed 0] [--write-trace T.jsonl] [--write-pool POOL.yaml] ...
 
-The SLOs are the manifest's targets (prefill TTFT, decode TPOT). Baselines' knobs: those tuned for the
-scenario a trace names in its header (operator/simulate/tuned.json), else each one's defaults; the
-static fleet is the best one in hindsight on this trace (the fewest replicas meeting the SLOs).
+The SLOs are the manifest's targets (prefill TTFT, decode TPOT); without --pool, a pool is made for the
+trace (scenarios.trace_scenario: 3x the single-request TTFT at the trace's p90 prompt, 1.5x the
+single-request TPOT at its p90 context; --write-pool writes it). Baselines' knobs: those tuned for the
+scenario a trace names in its header (operator/simulate/tuned.json) when it runs on the scenarios'
+calibration; otherwise each baseline is tuned here on the same grid and rule as the table (run.GRIDS,
+the cheapest setting meeting the SLOs), on seed 1 for a scenario and on the trace's first half for any
+other trace (the tuning rule of issue 25), and the knobs are kept in --tuned FILE when given (read from
+it when it exists). The static fleet is the best one in hindsight on the tuning input.
 """
 from __future__ import annotations
 
@@ -62,10 +67,10 @@ def _check_args(args) -> None:
     if args.scenario and (args.pool or args.trace):
         raise ValueError("give --scenario, or --pool and --trace, not both")
     if not args.scenario:
-        if not (args.pool and args.trace):
-            raise ValueError("give --pool and --trace, or --scenario")
+        if not args.trace:
+            raise ValueError("give --trace (and optionally --pool), or --scenario")
         given = [o for o, v in (("--seed", args.seed), ("--write-trace", args.write_trace),
-                                ("--write-pool", args.write_pool)) if v is not None]
+                                ("--write-pool", args.write_pool if args.pool else None)) if v is not None]
         if given:
             raise ValueError(f"{', '.join(given)}: {'these apply' if len(given) > 1 else 'it applies'} only "
                              "with --scenario")
@@ -121,7 +126,7 @@ def _simulate(args) -> int:
         if args.scenario:
             header, records = {"params": {"scenario": args.scenario}}, None
         else:
-            pool = load_manifest(args.pool)
+            pool = load_manifest(args.pool) if args.pool else None
             header, records = read_trace(args.trace)
         scenario = header.get("params", {}).get("scenario")
         scenario = scenario if scenario in S.NAMES else None
@@ -140,6 +145,11 @@ def _simulate(args) -> int:
                 Path(args.write_pool).write_text(yaml.safe_dump(S.manifest(sc), sort_keys=False))
         if not records:
             raise ValueError("the trace has no requests")
+        if pool is None:
+            made = S.manifest(S.trace_scenario(perf, records, Path(args.trace).stem))
+            pool = load_manifest(made)
+            if args.write_pool:
+                Path(args.write_pool).write_text(yaml.safe_dump(made, sort_keys=False))
         spec = pool.spec
         targets = {}
         for role, metric in (("prefill", "ttft"), ("decode", "tpot")):
@@ -161,27 +171,42 @@ def _simulate(args) -> int:
     duration = max(1.0, float(header.get("params", {}).get("duration") or records[-1]["timestamp"]))
     steady = S.steady_spans(scenario) if scenario else []
     same = cal_path.resolve() == DEFAULT_CALIBRATION.resolve()
-    tuned = R.load_tuned().get(scenario, {}) if scenario and same else {}
-    if scenario and not same:
-        print(f"note: {cal_path} is not the scenarios' calibration; the baselines run with their default "
-              "knobs and the static fleet is tuned on this trace", file=sys.stderr)
+    block = int(header.get("params", {}).get("block_tokens") or 512)
     for note in _floor_notes(perf, records, targets):
         print(f"note: {note}", file=sys.stderr)
     minutes = S.minute_loads(records, duration)
     bounds = R.replica_bounds(spec)
 
-    def one(name, knobs):
-        pol = R.make_policy(name, spec, perf, cal, targets, minutes, knobs, startup_s=args.startup)
+    def one(name, knobs, recs=records, dur=duration, mins=minutes):
+        pol = R.make_policy(name, spec, perf, cal, targets, mins, knobs, startup_s=args.startup)
         if name == "static":
             initial = dict(pol.counts)
         else:
             from tandem.operator.simulate.baselines import Oracle
-            initial = Oracle(perf, targets, minutes).need(minutes[0])
-        fleet = R.simulate(pol, records, perf, targets, initial, duration, startup_s=args.startup, gpus=gpus,
-                           tick_s=args.tick, bounds=bounds)
-        m = R.summarize(fleet, targets, steady, duration)
+            initial = Oracle(perf, targets, mins).need(mins[0])
+        fleet = R.simulate(pol, recs, perf, targets, initial, dur, startup_s=args.startup, gpus=gpus,
+                           tick_s=args.tick, bounds=bounds, block_tokens=block)
+        m = R.summarize(fleet, targets, steady if recs is records else [], dur)
         m["policy"], m["knobs"] = name, knobs or {}
         return m, fleet
+
+    if scenario and same:
+        tuned = R.load_tuned().get(scenario, {})
+    elif args.tuned and Path(args.tuned).is_file():
+        tuned = json.loads(Path(args.tuned).read_text())
+    else:
+        if scenario:   # another calibration: the scenario's tuning seed on it
+            recs = S.build(scenario, perf, 1).records
+            dur, what = S.DURATION, f"{scenario} seed 1"
+        else:
+            dur = duration / 2
+            recs, what = [r for r in records if r["timestamp"] < dur], "the trace's first half"
+        mins = S.minute_loads(recs, dur)
+        print(f"note: tuning the baselines on {what} ({len(recs)} requests; --tuned FILE keeps the knobs)",
+              file=sys.stderr)
+        tuned = _tune(lambda n, k: one(n, k, recs, dur, mins), [n for n in names if n != "tandem"], bounds)
+        if args.tuned:
+            Path(args.tuned).write_text(json.dumps(tuned, indent=1) + "\n")
 
     runs = {}
     for n in names:
@@ -201,6 +226,19 @@ def _simulate(args) -> int:
     if args.plot:
         _plot(runs, targets, args.plot, f"{scenario or args.trace}: replicas and p90 latency")
     return 0
+
+
+def _tune(one, names: list, bounds: dict) -> dict:
+    """{policy: knobs} for ``names``: each grid of run.GRIDS run through ``one(name, knobs)`` and the
+    cheapest setting meeting the SLOs taken (run._best, the table's rule); the static fleet bisected."""
+    from tandem.operator.simulate import run as R
+    out = {}
+    for n in names:
+        if n == "static":
+            out[n] = _best_static(one, bounds)
+        elif n in R.GRIDS:
+            out[n] = R._best([one(n, k)[0] for k in R.GRIDS[n]])["knobs"]
+    return out
 
 
 def _best_static(one, bounds: dict) -> dict:
@@ -229,7 +267,8 @@ def add_simulate_command(sub) -> None:
     from tandem.operator.simulate.scenarios import NAMES, STARTUP_S
     s = sub.add_parser("simulate", help="replay a trace against the autoscaling policy and its baselines "
                                         "on a simulated fleet")
-    s.add_argument("--pool", help="the InferencePool manifest (its targets are the SLOs)")
+    s.add_argument("--pool", help="the InferencePool manifest (its targets are the SLOs; default: made for the "
+                                  "trace from its p90 lengths)")
     s.add_argument("--trace", help="a trace (JSON Lines, as `tandem bench trace` writes)")
     s.add_argument("--calibration",
                    help="the performance model (tandem bench calibrate); default: the committed SmolLM2 one, "
@@ -245,4 +284,6 @@ def add_simulate_command(sub) -> None:
     s.add_argument("--json", action="store_true", help="print the results as JSON")
     s.add_argument("--decisions", action="store_true", help="--json: include every decision")
     s.add_argument("--plot", help="write replicas and p90 latency over time to this PNG")
+    s.add_argument("--tuned", help="the baselines' tuned knobs (JSON): read when the file exists, else tuned "
+                                   "(on the trace's first half, or a scenario's seed 1) and written there")
     s.set_defaults(func=_simulate)

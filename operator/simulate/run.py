@@ -109,9 +109,9 @@ def make_policy(name: str, spec, perf: PerfModel, calibration, targets: dict, mi
 
 def simulate(policy, records: list, perf: PerfModel, targets: dict, initial: dict, duration: float,
              startup_s: float = S.STARTUP_S, gpus: Optional[dict] = None, tick_s: float = 15.0,
-             bounds: Optional[dict] = None) -> Fleet:
+             bounds: Optional[dict] = None, block_tokens: int = 512) -> Fleet:
     return Fleet(perf, policy, records, initial, startup_s=startup_s, tick_s=tick_s, targets=targets,
-                 gpus=gpus, duration=duration, bounds=bounds).run()
+                 gpus=gpus, duration=duration, bounds=bounds, block_tokens=block_tokens).run()
 
 
 def _windows(t: np.ndarray, v: np.ndarray, end: float, width: float = 60.0) -> np.ndarray:

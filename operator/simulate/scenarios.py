@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 
@@ -46,6 +47,7 @@ class Scenario:
     tpot_target: float
     peak_rps: float
     steady: list          # [(start_s, end_s)] spans of steady load (the flapping aim)
+    max_replicas: int = 16   # each role's maxReplicas in the pool (:func:`manifest`)
 
     @property
     def targets(self) -> dict:
@@ -58,9 +60,9 @@ def rates_at(perf: PerfModel, replicas: int, prompt: float, output: float, ttft:
     calibrated pool model (:meth:`PerfModel.prefill_replicas`, :meth:`PerfModel.decode_replicas`)."""
     from tandem.operator.autoscaler.capacity import _bisect
     s = perf.remote_prefill_seconds(prompt)
-    pre = _bisect(lambda r: perf.prefill_replicas(r * s, s, ttft) <= replicas, 1e-3, 1e3)
+    pre = _bisect(lambda r: perf.prefill_replicas(r * s, s, ttft) <= replicas, 1e-3, 1e5)
     dec = _bisect(lambda r: perf.decode_replicas(r * (output - 1), prompt + output / 2, tpot) <= replicas,
-                  1e-3, 1e3)
+                  1e-3, 1e5)
     return pre, dec
 
 
@@ -74,6 +76,17 @@ def slo(perf: PerfModel, prompt: float, output: float) -> tuple[float, float]:
     """(TTFT target, TPOT target): 3x and 1.5x the single-request values at these median lengths."""
     ttft, tpot = single_request(perf, prompt, output)
     return 3 * ttft, 1.5 * tpot
+
+
+#: each role's maxReplicas, by the calibration's model (16 otherwise). On the GPU-shaped calibration
+#: (issue 25) the same peak rule (6 replicas per role at the mean of the two rates) gives about 590
+#: requests/s, since a 256-token prompt is 23 ms of H200 prefill and a decode replica batches ~20
+#: sequences at the SLO: the prefill pool then needs about 15 replicas at the peak and decode 4.
+MAX_REPLICAS = {"llama-3-8b": 48}
+
+
+def _model(perf: PerfModel) -> str:
+    return getattr(getattr(perf, "calibration", None), "model", "") or ""
 
 
 def peak_rps(perf: PerfModel) -> float:
@@ -107,7 +120,7 @@ def build(name: str, perf: PerfModel, seed: int = 0) -> Scenario:
         r["prompt_tokens"] = min(r["prompt_tokens"], MAX_MODEL_LEN - r["output_tokens"])
     ttft, tpot = slo(perf, prompt_max, output_max)
     params = dict(params, scenario=name, peak_rps=peak, ttft_target=ttft, tpot_target=tpot)
-    return Scenario(name, recs, params, ttft, tpot, peak, steady_spans(name))
+    return Scenario(name, recs, params, ttft, tpot, peak, steady_spans(name), MAX_REPLICAS.get(_model(perf), 16))
 
 
 def steady_spans(name: str) -> list:
@@ -118,8 +131,10 @@ def steady_spans(name: str) -> list:
     return []
 
 
-def manifest(sc: Scenario, max_replicas: int = 16) -> dict:
-    """The InferencePool tandem's policy runs each scenario with (a dict; load with spec.load_manifest)."""
+def manifest(sc: Scenario, max_replicas: Optional[int] = None) -> dict:
+    """The InferencePool tandem's policy runs each scenario with (a dict; load with spec.load_manifest);
+    ``max_replicas`` per role (default: the scenario's)."""
+    max_replicas = max_replicas or sc.max_replicas
     beh = {"scaleUp": {"stabilizationWindowSeconds": 0, "maxStep": 4, "periodSeconds": 30},
            "scaleDown": {"stabilizationWindowSeconds": 300, "maxStep": 1, "periodSeconds": 60}}
 
@@ -152,3 +167,32 @@ def minute_loads(records: list, duration: float = DURATION) -> list[dict]:
         out.append({"rps": k / 60.0, "prompt": float(p[sel].mean()) if k else PROMPT,
                     "output": float(o[sel].mean()) if k else OUTPUT})
     return out
+
+
+def trace_slo(perf: PerfModel, records: list) -> tuple[float, float]:
+    """(TTFT target, TPOT target) of an imported trace (issue 25's rule): 3x the single-request TTFT at
+    its p90 prompt and 1.5x the single-request TPOT (a batch-1 step) at its p90 context (prompt plus half
+    the output, a sequence's mean context while it decodes). At the median, heavy-tailed lengths put the
+    SLO out of any fleet's reach."""
+    p = np.array([r["prompt_tokens"] for r in records], dtype=float)
+    ctx = p + np.array([r["output_tokens"] for r in records], dtype=float) / 2
+    return (3 * perf.remote_prefill_seconds(float(np.percentile(p, 90))),
+            1.5 * perf.decode_step_seconds(1, float(np.percentile(ctx, 90))))
+
+
+def trace_scenario(perf: PerfModel, records: list, name: str = "trace", max_replicas: Optional[int] = None
+                   ) -> Scenario:
+    """A :class:`Scenario` over an imported trace: the SLOs of :func:`trace_slo`; maxReplicas per role
+    twice what the reactive oracle's sizing needs at the busiest minute (at least 16), so that no
+    policy is held back by the bound."""
+    ttft, tpot = trace_slo(perf, records)
+    duration = float(records[-1]["timestamp"]) if records else 0.0
+    if max_replicas is None:
+        from tandem.operator.simulate.baselines import Oracle
+        minutes = minute_loads(records, max(1.0, duration))
+        oracle = Oracle(perf, {"prefill": ttft, "decode": tpot}, minutes)
+        need = [oracle.need(m) for m in minutes]
+        max_replicas = max(16, 2 * max(max(n.values()) for n in need))
+    import re
+    name = re.sub(r"[^a-z0-9-]+", "-", name.lower()).strip("-") or "trace"
+    return Scenario(name, records, {"duration": duration}, ttft, tpot, 0.0, [], int(max_replicas))

@@ -120,3 +120,100 @@ def test_a_bad_trace_line_is_named(tmp_path):
         (tmp_path / "t.jsonl").write_text(line + "\n")
         with pytest.raises(ValueError, match=f"t.jsonl:1: .*{says}"):
             read_trace(tmp_path / "t.jsonl")
+
+
+DATA = os.path.join(os.path.dirname(__file__), "data")
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "tandem.worker.cli", "bench", "trace", *args], capture_output=True,
+                          text=True, env={**os.environ, "PYTHONSAFEPATH": "1"}, timeout=120)
+
+
+@pytest.mark.timeout(120)
+def test_import_azure_and_mooncake(tmp_path):
+    """`tandem bench trace import`: an Azure CSV (the first lines of the real code trace) and a Mooncake
+    JSONL (our own fixture) become tandem traces: seconds from the first request, the lengths as given,
+    Mooncake's hash_ids kept with the block size in the header; the simulator's reader takes them."""
+    out = _cli("import", "--format", "azure", os.path.join(DATA, "azure2023_code_head.csv"), "-o", str(tmp_path / "a.jsonl"))
+    assert out.returncode == 0, out.stderr
+    head, recs = read_trace(tmp_path / "a.jsonl")
+    assert head["generator"] == "import" and head["params"]["format"] == "azure"
+    assert [r["prompt_tokens"] for r in recs][:4] == [4808, 3180, 110, 7433]
+    assert recs[0]["timestamp"] == 0 and recs[1]["timestamp"] == pytest.approx(0.052, abs=1e-6)
+    assert recs[-1]["timestamp"] == pytest.approx(1.016041, abs=1e-6) and recs[-1]["output_tokens"] == 23
+    out = _cli("import", "--format", "mooncake", os.path.join(DATA, "mooncake_small.jsonl"), "-o", str(tmp_path / "m.jsonl"))
+    assert out.returncode == 0, out.stderr
+    head, recs = read_trace(tmp_path / "m.jsonl")
+    assert head["params"]["block_tokens"] == 512 and head["params"]["duration"] == 3.0
+    assert [r["timestamp"] for r in recs] == [0, 0.25, 0.9, 1.5, 2.1, 3.0]
+    assert recs[1]["hash_ids"] == [0, 1, 3] and recs[1]["prompt_tokens"] == 1300
+
+
+def test_import_window_and_scale():
+    """--window cuts a span and starts it at 0; --scale K gives K x the requests over the same duration,
+    each copy shifted and wrapped inside it, with hash_ids of its own (copies share no prefix blocks)."""
+    from tandem.worker.bench.trace_import import import_trace
+    path = os.path.join(DATA, "mooncake_small.jsonl")
+    p, w = import_trace("mooncake", path, window=(0.5, 2.5))
+    assert [r["timestamp"] for r in w] == [0.4, 1.0, 1.6] and p["duration"] == 2.0
+    p, s = import_trace("mooncake", path, k=3)
+    assert len(s) == 18 and max(r["timestamp"] for r in s) <= p["duration"]
+    assert sorted(r["timestamp"] for r in s) == [r["timestamp"] for r in s]
+    per_copy = {}
+    for r in s:
+        per_copy.setdefault(min(r["hash_ids"]) // 9, set()).update(r["hash_ids"])   # ids 0..8 per copy
+    assert len(per_copy) == 3 and not (per_copy[0] & per_copy[1]) and not (per_copy[1] & per_copy[2])
+    # the same lengths, three times over
+    _, one = import_trace("mooncake", path)
+    assert sorted(r["prompt_tokens"] for r in s) == sorted(3 * [r["prompt_tokens"] for r in one])
+
+
+@pytest.mark.parametrize("fmt, text, says", [
+    ("azure", "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03.97,12,3\n2023-11-16 18:17:04.0,x,3\n",
+     r":3: ContextTokens: "),
+    ("azure", "TIMESTAMP,ContextTokens,GeneratedTokens\nyesterday,12,3\n", r":2: TIMESTAMP: "),
+    ("azure", "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03.97,12,0\n", r":2: GeneratedTokens: "),
+    ("azure", "TIMESTAMP,Context,GeneratedTokens\n2023-11-16 18:17:03.97,12,3\n", r":1: ContextTokens: missing"),
+    ("mooncake", '{"timestamp": 0, "input_length": 10, "output_length": 2, "hash_ids": [0]}\n{"timestamp": 5}\n',
+     r":2: input_length: "),
+    ("mooncake", '{"timestamp": -1, "input_length": 10, "output_length": 2, "hash_ids": [0]}\n', r":1: timestamp: "),
+    ("mooncake", '{"timestamp": 0, "input_length": 10, "output_length": 2, "hash_ids": [0, 1]}\n', r":1: hash_ids: "),
+    ("mooncake", '{"timestamp": 0, "input_length": 10, "output_length": 2, "hash_ids": ["a"]}\n', r":1: hash_ids.0: "),
+    ("mooncake", '\n[1]\n', r":2: a record is a JSON object"),
+])
+def test_import_names_the_bad_row(tmp_path, fmt, text, says):
+    """A bad row of either format is a ValueError `FILE:LINE: FIELD: why`, and the CLI exits 2 with it
+    (writing nothing)."""
+    from tandem.worker.bench.trace_import import import_trace
+    src = tmp_path / ("t.csv" if fmt == "azure" else "t.jsonl")
+    src.write_text(text)
+    with pytest.raises(ValueError, match=r"t\.(csv|jsonl)" + says):
+        import_trace(fmt, src)
+
+
+@pytest.mark.timeout(180)
+def test_import_cli_errors_and_serve_shares_prefix_blocks(tmp_path):
+    """The CLI reports a bad row and a bad --window with exit 2 and writes nothing; `bench serve
+    --dataset trace` on an imported Mooncake trace gives requests that share hash_ids the same leading
+    text, one block per id, and different text where the ids differ."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"timestamp": 0, "input_length": 0, "output_length": 2}\n')
+    out = _cli("import", "--format", "mooncake", str(bad), "-o", str(tmp_path / "x.jsonl"))
+    assert out.returncode == 2 and "bad.jsonl:1: input_length" in out.stderr and not (tmp_path / "x.jsonl").exists()
+    out = _cli("import", "--format", "mooncake", os.path.join(DATA, "mooncake_small.jsonl"), "-o",
+               str(tmp_path / "x.jsonl"), "--window", "3:1")
+    assert out.returncode == 2 and "window" in out.stderr
+    from tandem.worker.bench.tokens import PromptMaker, load_tokenizer
+    from tandem.worker.bench.trace_import import import_trace
+    params, recs = import_trace("mooncake", os.path.join(DATA, "mooncake_small.jsonl"))
+    write_trace(tmp_path / "m.jsonl", "import", params, recs)
+    maker = PromptMaker(load_tokenizer())
+    d = ds.trace_dataset(maker, str(tmp_path / "m.jsonl"))
+    text = [r.messages[0]["content"] for r in d.requests]
+    common = os.path.commonprefix([text[0], text[1], text[3]])
+    assert 900 <= maker.count(common) <= 1030                          # blocks 0 and 1: 1024 tokens
+    assert text[3].startswith(common) and maker.count(text[3]) in range(1020, 1029)
+    assert maker.count(os.path.commonprefix([text[2], text[4]])) >= 500   # block 4
+    assert maker.count(os.path.commonprefix([text[0], text[2]])) < 5       # nothing shared
+    assert [r.prompt_tokens for r in d.requests] == [1100, 1300, 600, 1024, 700, 520]

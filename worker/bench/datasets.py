@@ -155,16 +155,36 @@ def multiturn_dataset(maker, sessions: int, turns: int, user_len: int, output_le
 def trace_dataset(maker, path: str, n: int | None = None, prefix_len: int = 64, seed: int = 0) -> Dataset:
     """Requests of a trace file (:func:`tandem.worker.bench.trace.read_trace`): its timestamps become
     the schedule; records of one ``prefix_group`` share their first ``prefix_len`` tokens (capped at the
-    prompt length) as a system message."""
+    prompt length) as a system message. A record with ``hash_ids`` (an imported Mooncake trace) gets a
+    prompt of one text per block of the header's ``block_tokens`` tokens (the last block what remains of
+    the prompt), the same id giving the same text, so requests that share ids share their prompt's
+    prefix as the trace says; tokens past the listed blocks are fresh."""
     from tandem.worker.bench.trace import read_trace
-    _, records = read_trace(path)
+    header, records = read_trace(path)
+    block = int((header.get("params") or {}).get("block_tokens") or 512)
     records = records[:n] if n else records
     rng = np.random.default_rng(seed)
     prefixes: dict = {}
+    blocks: dict = {}
     reqs = []
     for i, r in enumerate(records):
         p, g = int(r["prompt_tokens"]), r.get("prefix_group")
         msgs, shared = [], 0
+        if r.get("hash_ids"):
+            parts = []
+            for j, h in enumerate(r["hash_ids"]):
+                size = min(block, p - j * block)
+                if size <= 0:
+                    break
+                if (h, size) not in blocks:
+                    blocks[(h, size)] = maker.text(rng, size)
+                parts.append(blocks[(h, size)])
+            rest = p - min(p, len(r["hash_ids"]) * block)
+            if rest:
+                parts.append(maker.text(rng, rest))
+            reqs.append(BenchRequest(f"t{i}", [{"role": "user", "content": "".join(parts)}], p,
+                                     int(r["output_tokens"]), timestamp=float(r["timestamp"])))
+            continue
         if g is not None and prefix_len:
             shared = min(prefix_len, p - 1)
             if (g, shared) not in prefixes:

@@ -3,7 +3,8 @@
 A trace is JSON Lines. The first line is the header, ``{"tandem_trace": 1, "generator": KIND,
 "params": {...}}`` (every parameter, the seed included, so the file says how to make it again); each
 later line is a request: ``timestamp`` (seconds from the start), ``prompt_tokens``, ``output_tokens``,
-and optionally ``prefix_group`` and ``session``. A file without the header line is read too (records
+and optionally ``prefix_group``, ``session`` and ``hash_ids`` (prefix blocks of ``params.block_tokens``
+tokens each, from an imported trace: :mod:`tandem.worker.bench.trace_import`). A file without the header line is read too (records
 only), so traces from elsewhere can be replayed.
 
 Arrivals are a non-homogeneous Poisson process drawn by thinning (Lewis and Shedler, 1979): draw at
@@ -15,7 +16,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Optional
+from typing import Annotated, Optional
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -31,6 +32,9 @@ class TraceRecord(BaseModel):
     prompt_tokens: int = Field(ge=1)
     output_tokens: int = Field(ge=1)
     prefix_group: Optional[int] = Field(None, ge=0)
+    hash_ids: Optional[list[Annotated[int, Field(ge=0)]]] = Field(
+        None, description="prefix blocks (imported traces): equal ids, the same block of the header's "
+                          "params.block_tokens tokens")
 
 
 def read_trace(path: str | Path) -> tuple[dict, list[dict]]:
@@ -175,8 +179,13 @@ def _trace(args) -> int:
 
 
 def add_trace_command(sub) -> None:
-    t = sub.add_parser("trace", help="write a seeded request trace (JSON Lines) for bench serve and the simulator")
-    t.add_argument("kind", choices=GENERATORS)
+    import argparse
+
+    from tandem.worker.bench.trace_import import add_import_command
+    top = sub.add_parser("trace", help="write a seeded request trace (JSON Lines) for bench serve and the simulator, "
+                                       "or import a production one")
+    kinds = top.add_subparsers(dest="kind", required=True, metavar="{" + ",".join(GENERATORS) + ",import}")
+    t = argparse.ArgumentParser(add_help=False)   # the generators' options, shared by each kind
     t.add_argument("--output", "-o", required=True)
     t.add_argument("--duration", type=float, default=300.0, help="seconds")
     t.add_argument("--rate", type=float, default=1.0, help="requests per second (the base rate)")
@@ -194,4 +203,6 @@ def add_trace_command(sub) -> None:
     t.add_argument("--burst-every", type=float, default=30.0)
     t.add_argument("--burst-length", type=float, default=5.0)
     t.add_argument("--prefix-groups", type=int, default=0, help="tag requests with one of N prefix groups")
-    t.set_defaults(func=_trace)
+    for kind in GENERATORS:
+        kinds.add_parser(kind, parents=[t], help=f"a seeded {kind} trace").set_defaults(func=_trace)
+    add_import_command(kinds)

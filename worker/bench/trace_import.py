@@ -1,0 +1,201 @@
+"""Production request traces into tandem's trace format (:mod:`tandem.worker.bench.trace`):
+``tandem bench trace import --format azure|mooncake FILE -o trace.jsonl [--window A:B] [--scale K]``.
+
+Formats read:
+
+- ``azure``: the Azure LLM inference traces (AzurePublicDataset, published with Splitwise, Patel et al.,
+  ISCA 2024): CSV with a header ``TIMESTAMP,ContextTokens,GeneratedTokens``; TIMESTAMP is a date and
+  time (``2023-11-16 18:17:03.9799600``), the other two are token counts.
+- ``mooncake``: the Mooncake traces (kvcache-ai/Mooncake, Qin et al., FAST 2025): JSON Lines of
+  ``timestamp`` (ms), ``input_length``, ``output_length`` and ``hash_ids``, one id per block of
+  :data:`MOONCAKE_BLOCK_TOKENS` prompt tokens, equal ids meaning the same prefix block. They are kept as
+  the record's ``hash_ids``, and the header's ``params.block_tokens`` says the block size (the simulator's
+  prefix cache and ``bench serve`` read both).
+
+Timestamps become seconds from the first request. ``window`` (seconds from that start) cuts a span and
+starts it at 0; ``scale`` K then superposes K copies of the span, copy j shifted by j * spread / K seconds
+and wrapped around the span's end (docs/bench.md, "Importing production traces", says why), each copy's
+``hash_ids`` moved to ids of its own.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import math
+from datetime import datetime
+from pathlib import Path
+from typing import Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+FORMATS = ("azure", "mooncake")
+MOONCAKE_BLOCK_TOKENS = 512
+#: seconds over which the copies of ``--scale`` are spread (one autoscaler metrics minute: the rate seen
+#: per minute is K times the original's, smoothed over at most this span)
+SCALE_SPREAD_S = 60.0
+
+
+class AzureRow(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    TIMESTAMP: datetime
+    ContextTokens: int = Field(ge=1)
+    GeneratedTokens: int = Field(ge=1)
+
+
+class MooncakeRow(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    timestamp: float = Field(ge=0, allow_inf_nan=False, description="milliseconds")
+    input_length: int = Field(ge=1)
+    output_length: int = Field(ge=1)
+    hash_ids: list[int] = Field(default_factory=list)
+
+
+def _error(path, line: int, e: ValidationError) -> ValueError:
+    err = e.errors()[0]
+    field = ".".join(str(x) for x in err["loc"]) or "row"
+    return ValueError(f"{path}:{line}: {field}: {err['msg']}")
+
+
+def read_azure(path: str | Path) -> list[dict]:
+    """Records (timestamp s from the first request, prompt_tokens, output_tokens) of an Azure CSV.
+    Raises ValueError ``FILE:LINE: FIELD: why`` for a bad row or a missing column, OSError when unreadable."""
+    out = []
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        missing = {"TIMESTAMP", "ContextTokens", "GeneratedTokens"} - set(reader.fieldnames or ())
+        if missing:
+            raise ValueError(f"{path}:1: {', '.join(sorted(missing))}: missing column (an Azure trace has "
+                             "TIMESTAMP,ContextTokens,GeneratedTokens)")
+        for row in reader:
+            try:
+                r = AzureRow.model_validate({k: (v.strip() if isinstance(v, str) else v) for k, v in row.items()
+                                             if k is not None})
+            except ValidationError as e:
+                raise _error(path, reader.line_num, e) from None
+            out.append({"timestamp": r.TIMESTAMP.timestamp(), "prompt_tokens": r.ContextTokens,
+                        "output_tokens": r.GeneratedTokens})
+    return _rebase(out)
+
+
+def read_mooncake(path: str | Path, block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> list[dict]:
+    """Records (timestamp s, prompt_tokens, output_tokens, hash_ids) of a Mooncake JSONL trace.
+    Raises ValueError ``FILE:LINE: FIELD: why`` for a line that is not a JSON object, a bad field, or more
+    hash_ids than the prompt has blocks; OSError when unreadable."""
+    out = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except ValueError as e:
+            raise ValueError(f"{path}:{n}: not JSON ({e})") from None
+        if not isinstance(obj, dict):
+            raise ValueError(f"{path}:{n}: a record is a JSON object, not {type(obj).__name__}")
+        try:
+            r = MooncakeRow.model_validate(obj)
+        except ValidationError as e:
+            raise _error(path, n, e) from None
+        blocks = math.ceil(r.input_length / block_tokens)
+        if len(r.hash_ids) > blocks:
+            raise ValueError(f"{path}:{n}: hash_ids: {len(r.hash_ids)} ids for {r.input_length} tokens "
+                             f"(at most {blocks} blocks of {block_tokens})")
+        out.append({"timestamp": r.timestamp / 1000.0, "prompt_tokens": r.input_length,
+                    "output_tokens": r.output_length, "hash_ids": r.hash_ids})
+    return _rebase(out)
+
+
+def _rebase(records: list[dict]) -> list[dict]:
+    records.sort(key=lambda r: r["timestamp"])
+    t0 = records[0]["timestamp"] if records else 0.0
+    for r in records:
+        r["timestamp"] = round(r["timestamp"] - t0, 6)
+    return records
+
+
+def cut_window(records: list[dict], start: float, end: float) -> list[dict]:
+    """The records with start <= timestamp < end, timestamps from ``start``. Raises ValueError when
+    end <= start or start < 0."""
+    if not (0 <= start < end):
+        raise ValueError(f"window must be START:END with 0 <= START < END seconds (got {start:g}:{end:g})")
+    return [{**r, "timestamp": round(r["timestamp"] - start, 6)} for r in records if start <= r["timestamp"] < end]
+
+
+def scale(records: list[dict], k: int, duration: float, spread: float = SCALE_SPREAD_S) -> list[dict]:
+    """``k`` copies superposed, copy j shifted by j * spread / k seconds and wrapped at ``duration``, its
+    hash_ids offset so that copies share no blocks. Raises ValueError for k < 1."""
+    if k < 1 or int(k) != k:
+        raise ValueError(f"scale must be a whole number >= 1 (got {k})")
+    if k == 1:
+        return list(records)
+    top = 1 + max((h for r in records for h in r.get("hash_ids") or ()), default=-1)
+    out = []
+    for j in range(int(k)):
+        shift = j * min(spread, duration) / k
+        for r in records:
+            c = {**r, "timestamp": round((r["timestamp"] + shift) % duration if duration > 0 else r["timestamp"], 6)}
+            if r.get("hash_ids") is not None:
+                c["hash_ids"] = [h + j * top for h in r["hash_ids"]]
+            out.append(c)
+    out.sort(key=lambda r: r["timestamp"])
+    return out
+
+
+def import_trace(fmt: str, path: str | Path, window: Optional[tuple[float, float]] = None, k: int = 1
+                 ) -> tuple[dict, list[dict]]:
+    """(params, records) of a production trace in tandem's format (see the module docs). Raises ValueError
+    for an unknown format, a bad row (``FILE:LINE: FIELD: why``), a bad window or scale, or no requests."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown trace format {fmt!r} (one of {', '.join(FORMATS)})")
+    records = read_azure(path) if fmt == "azure" else read_mooncake(path)
+    if not records:
+        raise ValueError(f"{path}: no requests")
+    if window is not None:
+        records = cut_window(records, *window)
+        if not records:
+            raise ValueError(f"{path}: no requests in the window {window[0]:g}:{window[1]:g} s")
+        duration = window[1] - window[0]
+        duration = min(duration, records[-1]["timestamp"] + 1e-6) if math.isinf(duration) else duration
+    else:
+        duration = records[-1]["timestamp"]
+    if k < 1 or int(k) != k:
+        raise ValueError(f"scale must be a whole number >= 1 (got {k})")
+    records = scale(records, int(k), duration)
+    params = {"format": fmt, "source": Path(path).name, "window": list(window) if window else None,
+              "scale": int(k), "scale_spread_s": SCALE_SPREAD_S if k > 1 else 0.0, "duration": duration}
+    if fmt == "mooncake":
+        params["block_tokens"] = MOONCAKE_BLOCK_TOKENS
+    return params, records
+
+
+def parse_window(text: str) -> tuple[float, float]:
+    """``A:B`` seconds (B may be empty: to the end). Raises ValueError naming --window."""
+    try:
+        a, b = text.split(":")
+        return float(a or 0), float(b) if b else math.inf
+    except ValueError:
+        raise ValueError(f"--window {text!r}: give START:END in seconds from the trace's start, e.g. 0:1800") from None
+
+
+def _import(args) -> int:
+    import sys
+
+    from tandem.worker.bench.trace import write_trace
+    try:
+        window = parse_window(args.window) if args.window else None
+        params, records = import_trace(args.format, args.file, window, args.scale)
+        write_trace(args.output, "import", params, records)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"{args.output}: {len(records)} requests over {params['duration']:g} s ({args.format}, x{args.scale})")
+    return 0
+
+
+def add_import_command(sub) -> None:
+    t = sub.add_parser("import", help="convert a production trace (Azure CSV, Mooncake JSONL) to a tandem trace")
+    t.add_argument("file")
+    t.add_argument("--format", required=True, choices=FORMATS)
+    t.add_argument("--output", "-o", required=True)
+    t.add_argument("--window", default=None, help="START:END seconds from the trace's start (END may be empty)")
+    t.add_argument("--scale", type=int, default=1, help="K superposed copies: K x the rate, same duration")
+    t.set_defaults(func=_import)
