@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from tandem.worker.bench.calibration import fit
+from tandem.worker.api.calibration import fit
 
 OUT = Path(__file__).resolve().parent / "calibrations" / "llama3-8b-h200.yaml"
 

@@ -37,7 +37,7 @@ def table(old) -> None:
     from tandem.operator.simulate import run as R
     from tandem.operator.simulate import scenarios as S
     from tandem.operator.simulate.tune import DEFAULT_CALIBRATION
-    from tandem.worker.bench.calibration import Calibration
+    from tandem.worker.api.calibration import Calibration
     cal = Calibration.load(DEFAULT_CALIBRATION)
     perf = PerfModel.of(cal)
     tuned = R.load_tuned()
@@ -61,7 +61,7 @@ def speed(old, seconds: float = 300.0) -> None:
     from tandem.operator.autoscaler.capacity import PerfModel
     from tandem.operator.simulate import fleet as new
     from tandem.operator.simulate.baselines import Static
-    from tandem.worker.bench.calibration import Calibration
+    from tandem.worker.api.calibration import Calibration
     perf = PerfModel.of(Calibration.load(B.CAL))
     recs = B.trace(seconds, 100)
     print(f"{len(recs)} requests, {seconds:g} s at 100 req/s; CPU seconds\n| replicas | before | after |\n|---|---|---|")

@@ -21,7 +21,7 @@ from pathlib import Path
 from tandem.operator.autoscaler.capacity import PerfModel
 from tandem.operator.simulate.baselines import Static
 from tandem.operator.simulate.fleet import Fleet
-from tandem.worker.bench.calibration import Calibration
+from tandem.worker.api.calibration import Calibration
 from tandem.worker.bench.trace import generate
 
 CAL = Path(__file__).resolve().parent / "calibrations" / "llama3-8b-h200.yaml"

@@ -20,7 +20,7 @@ from tandem.operator.simulate import run as R
 from tandem.operator.simulate import scenarios as S
 from tandem.operator.simulate.baselines import Oracle
 from tandem.operator.spec import load_manifest
-from tandem.worker.bench.calibration import Calibration
+from tandem.worker.api.calibration import Calibration
 from tandem.worker.bench.trace_import import import_trace
 
 _STATE: dict = {}

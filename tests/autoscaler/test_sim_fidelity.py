@@ -9,7 +9,7 @@ import pytest
 from tandem.operator.autoscaler.capacity import PerfModel
 from tandem.operator.simulate.baselines import Static
 from tandem.operator.simulate.fleet import Fleet
-from tandem.worker.bench.calibration import Calibration
+from tandem.worker.api.calibration import Calibration
 
 pytestmark = pytest.mark.timeout(180)
 CAL_PATH = Path(__file__).resolve().parents[2] / "bench/calibrations/llama3-8b-h200.yaml"
