@@ -44,7 +44,7 @@ def _run(job):
     st = _STATE
     recs, dur = st["halves"][half]
     targets = st["sc"].targets
-    minutes = S.minute_loads(recs, dur)
+    minutes = S.minute_loads(recs, dur, st["perf"])
     pol = R.make_policy(name, st["spec"], st["perf"], st["cal"], targets, minutes, knobs)
     initial = dict(pol.counts) if name == "static" else Oracle(st["perf"], targets, minutes).need(minutes[0])
     fleet = R.simulate(pol, recs, st["perf"], targets, initial, dur, bounds=R.replica_bounds(st["spec"]),

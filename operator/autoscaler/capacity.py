@@ -143,13 +143,14 @@ class PerfModel:
         tail = max(self.remote_prefill_seconds(n) - self.local_prefill_seconds(n) for n in prompts)
         return compute + tail
 
-    def prefill_p90(self, rho: float, service_s: float) -> float:
-        """p90 TTFT (s) of a prefill replica at utilization ``rho`` with mean service ``service_s``."""
+    def prefill_p90(self, rho: float, service_s: float, cv2: Optional[float] = None) -> float:
+        """p90 TTFT (s) of a prefill replica at utilization ``rho`` with mean service ``service_s`` and
+        squared coefficient of variation ``cv2`` (default: the model's)."""
         if rho >= 1:
             return math.inf
         if rho <= 0.1:
             return service_s
-        w = service_s * (1 + self.cv2) / (2 * (1 - rho))
+        w = service_s * (1 + (self.cv2 if cv2 is None else cv2)) / (2 * (1 - rho))
         return service_s + w * math.log(10 * rho)
 
     def prefill_pool_p90(self, replicas: int, load: float, service_s: float) -> float:
@@ -177,12 +178,24 @@ class PerfModel:
             c += 1
         return c
 
-    def prefill_capacity(self, target_s: float, service_s: float, correction: float = 1.0) -> float:
+    def prefill_capacity(self, target_s: float, service_s: float, correction: float = 1.0,
+                         cv2: Optional[float] = None) -> float:
         """Utilization per replica (erlangs: busy seconds per second) at which the corrected p90 TTFT
         meets ``target_s``; 0 when even an idle replica misses it."""
         if correction * service_s > target_s:
             return 0.0
-        return _bisect(lambda r: correction * self.prefill_p90(r, service_s) <= target_s, 0.0, 0.99)
+        return _bisect(lambda r: correction * self.prefill_p90(r, service_s, cv2) <= target_s, 0.0, 0.99)
+
+    def service_moments(self, prompts) -> tuple[float, float]:
+        """(mean, squared coefficient of variation) of the remote-prefill service (s) over ``prompts``
+        (token counts): what a queue of these prompts sees. With heavy-tailed lengths the mean service
+        is well above the service of the mean prompt (the fit's quadratic term), and cv^2 above 1."""
+        xs = [self.remote_prefill_seconds(float(n)) for n in prompts]
+        if not xs:
+            return 0.0, 0.0
+        mean = sum(xs) / len(xs)
+        var = sum((x - mean) ** 2 for x in xs) / len(xs)
+        return mean, (var / (mean * mean) if mean > 0 else 0.0)
 
     # ---- decode -----------------------------------------------------------------------------
     def decode_step_seconds(self, batch: float, context: float) -> float:
@@ -212,21 +225,28 @@ class PerfModel:
         frac = (target_s - lo) / (hi - lo) if hi > lo else 0.0
         return b + min(0.99, max(0.0, frac)), lo
 
-    def decode_replicas(self, tokens_per_s: float, context: float, target_s: float, most: int = 10000) -> int:
+    def decode_replicas(self, tokens_per_s: float, context: float, target_s: float, most: int = 10000,
+                        hold_s_per_token: float = 0.0) -> int:
         """The fewest decode replicas whose p90 TPOT meets ``target_s`` at ``tokens_per_s`` generated.
 
-        The router sends each sequence to the replica running the fewest, so a sequence is batched past
-        the SLO's batch only when every replica is full: the pool acts as an M/G/c queue whose servers
-        are the replicas' whole batch slots at the SLO (:meth:`decode_slots`), its load the running sequences
-        (tokens/s x the step at that batch), and it meets the p90 when Erlang C says fewer than 10% of
-        sequences find every slot taken."""
+        The router sends each request to the decode replica with the fewest in flight, so a sequence is
+        batched past the SLO's batch only when every replica is full: the pool acts as an M/G/c queue
+        whose servers are the replicas' whole batch slots at the SLO (:meth:`decode_slots`), its load the
+        requests in flight there (tokens/s x the step at that batch), and it meets the p90 when Erlang C
+        says fewer than 10% of requests find every slot taken.
+
+        ``hold_s_per_token``: seconds a request holds its decode replica's place before it decodes, per
+        token it will generate (its time to first token over its output tokens). The router picks the
+        decode replica at arrival and counts the requests still being prefilled as in flight
+        (worker/router/policy.py ``pick_decode``), so they take a place in the balance as a running
+        sequence does; 0 sizes for the running sequences alone (the scenarios' peak rule)."""
         slots, step = self.decode_slots(target_s, context)
         if slots <= 0:
             return most
         # whole slots only: a sequence that must share past them tends to share for much of its life,
         # so the fractional allowance is left as margin
         whole = max(1, int(slots))
-        load = tokens_per_s * step
+        load = tokens_per_s * (step + max(0.0, hold_s_per_token))
         c = max(1, math.ceil(load / whole))
         while c < most and erlang_c(c * whole, load) > 0.1:
             c += 1

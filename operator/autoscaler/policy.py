@@ -125,6 +125,15 @@ class Autoscaler:
             first), outside the scale-down window and step: they serve nothing yet. Prefill only: a
             decode replica's TPOT sits at 0.67x its target with one sequence, so decode latency below the
             band says nothing about margin.
+        hold_first_token: size decode for the requests in flight there, not only the running sequences:
+            the router picks a request's decode replica at arrival and counts it in flight from then on
+            (worker/router/policy.py ``pick_decode``), so a request holds a place in the balance through
+            its prefill (:meth:`PerfModel.decode_replicas`, ``hold_s_per_token``). Off, the sizing counts
+            running sequences alone, as it did until issue 25 (the simulator then picked the decode
+            replica when the prefill ended).
+        hold_ttft_share: the time to first token that hold is taken as: the calibrated prefill service,
+            or this share of the observed p90 TTFT when a queue makes that longer (0..1; the mean of a
+            queue's wait tail is about half its p90).
 
     The defaults of ``headroom`` and ``catch_up_s`` were tuned as the simulator's baselines are: on a
     grid, on issue 10's scenarios at seed 1, one setting for all five (docs/autoscaler.md);
@@ -133,7 +142,8 @@ class Autoscaler:
 
     def __init__(self, spec, calibration=None, *, startup_s: float = 120.0, forecast_window_s: float = 180.0,
                  correction_alpha: float = 0.2, headroom: float = 0.9, catch_up_s: float = 240.0,
-                 confirm_s: float = 90.0, cancel_starting: bool = True):
+                 confirm_s: float = 90.0, cancel_starting: bool = True, hold_first_token: bool = True,
+                 hold_ttft_share: float = 0.5):
         self.spec = spec
         self.perf = PerfModel.of(calibration)
         self.startup_s = float(startup_s)
@@ -143,6 +153,8 @@ class Autoscaler:
         self.catch_up_s = float(catch_up_s)
         self.confirm_s = float(confirm_s)
         self.cancel_starting = bool(cancel_starting)
+        self.hold_first_token = bool(hold_first_token)
+        self.hold_ttft_share = float(hold_ttft_share)
         self.limits = {"prefill": RoleLimits.of(spec.prefill, 1.0), "decode": RoleLimits.of(spec.decode, 0.1)}
         pa = spec.autoscaling
         self.scale_to_zero = bool(pa.scaleToZero)
@@ -282,13 +294,20 @@ class Autoscaler:
             return demand, need, {"unit": "erlangs", "mean_prompt_tokens": round(prompt, 1), "service_s": round(s, 4)}
         ctx = prompt + output / 2
         most = lim.max * 4
+        # a request holds its decode replica's place from arrival (the router's pick) to its first
+        # token: the prefill's service, or the TTFT observed when a queue makes it longer
+        first = self.perf.remote_prefill_seconds(max(prompt, 1.0))
+        if pre.latency is not None and not math.isnan(pre.latency):
+            first = max(first, self.hold_ttft_share * pre.latency)
+        hold = first / max(output, 1.0) if self.hold_first_token else 0.0
 
         def need_d(x):
-            return self.perf.decode_replicas(x / phi, ctx, lim.target, most) if x > 0 else 0
+            return self.perf.decode_replicas(x / phi, ctx, lim.target, most, hold) if x > 0 else 0
         backlog = rs.waiting * max(output, 1.0) / self.startup_s
         slots, _ = self.perf.decode_slots(lim.target, ctx)
         return rs.output_tokens_per_s + backlog, need_d, {"unit": "tokens/s", "context_tokens": round(ctx, 1),
-                                                          "slots_per_replica": round(slots, 3)}
+                                                          "slots_per_replica": round(slots, 3),
+                                                          "hold_s_per_token": round(hold, 4)}
 
     def _catch_up(self, role: str, rs: RoleSnapshot, demand: float, inputs: dict) -> float:
         """Prefill's extra load (erlangs) to drain, within ``catch_up_s`` of the new replicas being ready,

@@ -574,12 +574,18 @@ class Oracle:
         self.min, self.max = min_replicas, max_replicas
 
     def need(self, load: dict) -> dict:
-        s = self.perf.remote_prefill_seconds(max(load["prompt"], 1.0))
-        pre = load["rps"] * s / max(1e-9, self.perf.prefill_capacity(self.targets["prefill"], s) * self.u)
+        # the minute's own service distribution where the loads carry it (scenarios.minute_loads with
+        # perf): sized from the mean prompt alone, heavy-tailed prompts queue far past the model
+        s = load.get("service_s") or self.perf.remote_prefill_seconds(max(load["prompt"], 1.0))
+        cap = self.perf.prefill_capacity(self.targets["prefill"], s, cv2=load.get("service_cv2"))
+        pre = load["rps"] * s / max(1e-9, cap * self.u)
         ctx = load["prompt"] + load["output"] / 2
-        m = self.perf.decode_capacity(self.targets["decode"], ctx)
-        tps = m / self.perf.decode_step_seconds(1 + m, ctx)
-        dec = load["rps"] * max(0.0, load["output"] - 1) / max(1e-9, tps * self.u)
+        # decode as tandem's policy sizes it, with the minute's load known: the router's pick holds a
+        # decode replica's place from arrival, through the prefill, to the last token
+        # (PerfModel.decode_replicas)
+        out = max(1.0, load["output"] - 1)
+        dec = self.perf.decode_replicas(load["rps"] * out / self.u, ctx, self.targets["decode"], self.max * 4,
+                                        s / out) if load["rps"] > 0 else 0
         return {"prefill": _bound(math.ceil(pre - 1e-9), self.min, self.max),
                 "decode": _bound(math.ceil(dec - 1e-9), self.min, self.max)}
 

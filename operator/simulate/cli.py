@@ -174,7 +174,7 @@ def _simulate(args) -> int:
     block = int(header.get("params", {}).get("block_tokens") or 512)
     for note in _floor_notes(perf, records, targets):
         print(f"note: {note}", file=sys.stderr)
-    minutes = S.minute_loads(records, duration)
+    minutes = S.minute_loads(records, duration, perf)
     bounds = R.replica_bounds(spec)
 
     def one(name, knobs, recs=records, dur=duration, mins=minutes):
@@ -201,7 +201,7 @@ def _simulate(args) -> int:
         else:
             dur = duration / 2
             recs, what = [r for r in records if r["timestamp"] < dur], "the trace's first half"
-        mins = S.minute_loads(recs, dur)
+        mins = S.minute_loads(recs, dur, perf)
         print(f"note: tuning the baselines on {what} ({len(recs)} requests; --tuned FILE keeps the knobs)",
               file=sys.stderr)
         tuned = _tune(lambda n, k: one(n, k, recs, dur, mins), [n for n in names if n != "tandem"], bounds)

@@ -184,7 +184,7 @@ def run_one(name: str, sc: S.Scenario, perf: PerfModel, calibration, knobs: Opti
     """(metrics, fleet) of one policy on one scenario."""
     from tandem.operator.spec import load_manifest
     spec = spec or load_manifest(S.manifest(sc)).spec
-    minutes = S.minute_loads(sc.records)
+    minutes = S.minute_loads(sc.records, perf=perf)
     pol = make_policy(name, spec, perf, calibration, sc.targets, minutes, knobs)
     if name == "static":
         initial = dict(pol.counts)

@@ -153,8 +153,10 @@ def manifest(sc: Scenario, max_replicas: Optional[int] = None) -> dict:
                      "autoscaling": {"ratio": {"min": 0.25, "max": 4.0}, "gpuBudget": 2 * max_replicas}}}
 
 
-def minute_loads(records: list, duration: float = DURATION) -> list[dict]:
-    """Each minute's arrivals/s and mean prompt and output tokens (what the oracle knows)."""
+def minute_loads(records: list, duration: float = DURATION, perf: Optional[PerfModel] = None) -> list[dict]:
+    """Each minute's arrivals/s and mean prompt and output tokens (what the oracle knows); with ``perf``
+    also the mean and cv^2 of its prompts' remote-prefill service (``service_s``, ``service_cv2``:
+    :meth:`PerfModel.service_moments`), which heavy-tailed prompts put far from the mean prompt's."""
     n = int(math.ceil(duration / 60))
     t = np.array([r["timestamp"] for r in records])
     p = np.array([r["prompt_tokens"] for r in records], dtype=float)
@@ -166,6 +168,8 @@ def minute_loads(records: list, duration: float = DURATION) -> list[dict]:
         k = int(sel.sum())
         out.append({"rps": k / 60.0, "prompt": float(p[sel].mean()) if k else PROMPT,
                     "output": float(o[sel].mean()) if k else OUTPUT})
+        if perf is not None and k:
+            out[-1]["service_s"], out[-1]["service_cv2"] = perf.service_moments(p[sel])
     return out
 
 
@@ -189,7 +193,7 @@ def trace_scenario(perf: PerfModel, records: list, name: str = "trace", max_repl
     duration = float(records[-1]["timestamp"]) if records else 0.0
     if max_replicas is None:
         from tandem.operator.simulate.baselines import Oracle
-        minutes = minute_loads(records, max(1.0, duration))
+        minutes = minute_loads(records, max(1.0, duration), perf)
         oracle = Oracle(perf, {"prefill": ttft, "decode": tpot}, minutes)
         need = [oracle.need(m) for m in minutes]
         max_replicas = max(16, 2 * max(max(n.values()) for n in need))
