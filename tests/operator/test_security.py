@@ -41,19 +41,23 @@ def test_every_pod_the_operator_makes_is_hardened(path):
         assert spec.get("automountServiceAccountToken") is (None if name.endswith("-router") else False), name
 
 
-def test_pool_secret_is_mounted_in_every_role_and_its_digest_rolls_them():
+def test_pool_secret_is_mounted_in_every_worker_the_token_key_alone_in_the_router_and_its_digest_rolls_them():
     p = pool()
-    a = deployments(D.desired_objects(p, pool_secret_hash="aaaa"))
-    b = deployments(D.desired_objects(p, pool_secret_hash="bbbb"))
+    a = deployments(D.desired_objects(p, pool_secret_hash="aaaabbbbccccdddd"))
+    b = deployments(D.desired_objects(p, pool_secret_hash="bbbbccccddddeeee"))
     for role, dep in a.items():
         tmpl = dep["spec"]["template"]
         c = tmpl["spec"]["containers"][0]
         vol = next(v for v in tmpl["spec"]["volumes"] if v["name"] == "pool-secret")
-        assert vol["secret"]["secretName"] == "smollm2-pool-secret"
+        assert vol["secret"]["secretName"] == "smollm2-pool-secret-aaaabbbbcc"
         assert vol["secret"]["defaultMode"] & 0o007 == 0, "others may not read the secret"
-        assert {"name": "pool-secret", "mountPath": SEC.POOL_SECRET_DIR, "readOnly": True} in c["volumeMounts"]
-        assert {"name": "TANDEM_POOL_SECRET_FILE", "value": f"{SEC.POOL_SECRET_DIR}/secret"} in c["env"]
-        assert tmpl["metadata"]["annotations"][SEC.ANN_SECRET_HASH] == "aaaa"
+        # each role gets only the item it needs: the router never the secret itself (L13)
+        item, mount, env = (("router-token", SEC.POOL_TOKEN_DIR, "TANDEM_POOL_TOKEN_KEY_FILE") if role == "router"
+                            else ("secret", SEC.POOL_SECRET_DIR, "TANDEM_POOL_SECRET_FILE"))
+        assert vol["secret"]["items"] == [{"key": item, "path": item}], role
+        assert {"name": "pool-secret", "mountPath": mount, "readOnly": True} in c["volumeMounts"]
+        assert {"name": env, "value": f"{mount}/{item}"} in c["env"]
+        assert tmpl["metadata"]["annotations"][SEC.ANN_SECRET_HASH] == "aaaabbbbccccdddd"
         # a new secret (rotation) changes every role's pod template: each rolls
         assert b[role]["spec"]["template"] != tmpl
         assert b[role]["metadata"]["annotations"][D.ANN_DESIRED_HASH] != dep["metadata"]["annotations"][D.ANN_DESIRED_HASH]
@@ -61,14 +65,27 @@ def test_pool_secret_is_mounted_in_every_role_and_its_digest_rolls_them():
         assert "secretKeyRef" not in str(tmpl)
 
 
-def test_new_pool_secret_is_random_owned_and_hashed_without_its_value():
+def test_pool_secret_is_derived_from_the_operator_key_per_pool_and_rotates_with_it():
+    import base64
+    from tandem.operator import pool_key as PK
+    from tandem.worker.api import auth
+    k1, k2 = b"k" * 32, b"q" * 32
     p = pool()
-    s1 = SEC.new_pool_secret(p, D._meta(p, "x"))
-    s2 = SEC.new_pool_secret(p, D._meta(p, "x"))
-    assert s1["metadata"]["name"] == "smollm2-pool-secret" and s1["metadata"]["ownerReferences"][0]["uid"] == "u-1"
-    assert s1["data"]["secret"] != s2["data"]["secret"] and len(s1["data"]["secret"]) >= 44
-    assert SEC.secret_hash(s1) != SEC.secret_hash(s2)
-    assert s1["data"]["secret"] not in SEC.secret_hash(s1)
+    v = SEC.pool_secret_value(k1, p)
+    assert v == SEC.pool_secret_value(k1, pool()) and len(v) == 43        # deterministic: nothing to read back
+    assert v != SEC.pool_secret_value(k2, p)                                # a new operator key rotates it
+    assert v != PK.pool_secret(k1, "other-ns", p.metadata.name, p.metadata.uid)
+    assert v != PK.pool_secret(k1, p.metadata.namespace, p.metadata.name, "another-uid")   # same name, new pool
+    assert v != SEC.pool_secret_value(k1, pool(lambda d: d["metadata"].setdefault("annotations", {}).update(
+        {PK.ANN_ROTATE: "2"})))                                             # one pool rotated alone
+    s = SEC.pool_secret_object(p, D._meta(p, "x"), v)
+    digest = SEC.secret_hash(v)
+    assert s["metadata"]["name"] == f"smollm2-pool-secret-{digest[:10]}"
+    assert s["metadata"]["ownerReferences"][0]["uid"] == "u-1"
+    assert s["metadata"]["labels"][SEC.ANN_SECRET_HASH] == digest
+    assert base64.b64decode(s["data"]["secret"]) == v and v.decode() not in digest
+    token = bytes.fromhex(base64.b64decode(s["data"]["router-token"]).decode())
+    assert token == auth.token_key(v) and v not in token
 
 
 def test_api_keys_are_mounted_in_the_router_only():
@@ -128,7 +145,7 @@ def test_every_child_kind_has_an_api_path():
     from tandem.operator.kube import path_of
     caps = D.Capabilities(service_monitor=True, gie_api_version="inference.networking.x-k8s.io/v1alpha2")
     p = pool(path="examples/llama3-8b-autoscaled.yaml")
-    for o in D.desired_objects(p, caps, pool_secret_hash="h") + [SEC.new_pool_secret(p, D._meta(p, "x"))]:
+    for o in D.desired_objects(p, caps, pool_secret_hash="h") + [SEC.pool_secret_object(p, D._meta(p, "x"), b"v" * 43)]:
         assert path_of(o).endswith("/" + o["metadata"]["name"]), o["kind"]
 
 
