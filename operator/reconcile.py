@@ -123,7 +123,9 @@ class Reconciler:
                               service_monitor=k.has("monitoring.coreos.com/v1", "servicemonitors", ttl=10),
                               gie_api_version=gie, pod_deletion_cost=False,
                               network_policies=k.has("networking.k8s.io/v1", "networkpolicies", ttl=10),
-                              operator_namespace=os.environ.get("POD_NAMESPACE") or None)
+                              operator_namespace=os.environ.get("POD_NAMESPACE") or None,
+                              api_server_cidrs=tuple(c for c in os.environ.get("TANDEM_API_SERVER_CIDRS", "")
+                                                     .replace(",", " ").split() if c))
 
     # ---- events ---------------------------------------------------------------------------------
     def event(self, body: dict, reason: str, message: str, type_: str = "Normal") -> None:

@@ -103,11 +103,19 @@ def _peer(p: S.PolicyPeer) -> dict[str, Any]:
 NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
 
 
-def network_policies(pool: S.InferencePool, meta, operator_namespace: Optional[str] = None) -> list[dict[str, Any]]:
-    """The pool's NetworkPolicies (``meta(name, role)``: desired.py's child metadata). Empty when
-    ``spec.networkPolicy.enabled`` is false. The operator's pods are admitted from
+#: the ports the API server listens on (443 behind the kubernetes Service, 6443 on most control planes:
+#: a policy sees the address after the Service's translation)
+API_SERVER_PORTS = (443, 6443)
+
+
+def network_policies(pool: S.InferencePool, meta, operator_namespace: Optional[str] = None,
+                     api_server_cidrs: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    """The pool's NetworkPolicies (``meta(name, role)``: desired.py's child metadata), ingress and
+    egress. Empty when ``spec.networkPolicy.enabled`` is false. The operator's pods are admitted from
     ``operator_namespace`` only (by its name label: a pod label alone anyone may set), or from any
-    namespace when it is None."""
+    namespace when it is None. Egress: DNS (port 53, any address: cluster DNS may be a node-local
+    cache), the pool's workers, ``spec.networkPolicy.egressTo``, and for the router the API server
+    (its discovery) at ``api_server_cidrs`` (any address when empty)."""
     np = pool.spec.networkPolicy
     if not np.enabled:
         return []
@@ -126,10 +134,18 @@ def network_policies(pool: S.InferencePool, meta, operator_namespace: Optional[s
     router_rule: dict[str, Any] = {"ports": [http]}
     if np.routerFrom:
         router_rule["from"] = [_peer(p) for p in np.routerFrom]
+    dns = {"ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}]}
+    extra = [{"to": [_peer(p) for p in np.egressTo]}] if np.egressTo else []
+    # decode -> prefill: /health (the KV port's number) and the KV port itself
+    worker_egress = [dns, {"to": [{"podSelector": workers}], "ports": [http, kv]}, *extra]
+    router_egress = [dns, {"to": [{"podSelector": workers}], "ports": [http]},
+                     {"to": [{"ipBlock": {"cidr": c}} for c in (api_server_cidrs or ("0.0.0.0/0",))],
+                      "ports": [{"protocol": "TCP", "port": p} for p in API_SERVER_PORTS]}, *extra]
     return [
         {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": meta(f"{name}-workers", None),
-         "spec": {"podSelector": workers, "policyTypes": ["Ingress"], "ingress": worker_rules}},
+         "spec": {"podSelector": workers, "policyTypes": ["Ingress", "Egress"], "ingress": worker_rules,
+                  "egress": worker_egress}},
         {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": meta(f"{name}-router", "router"),
-         "spec": {"podSelector": {"matchLabels": selector(name, "router")}, "policyTypes": ["Ingress"],
-                  "ingress": [router_rule]}},
+         "spec": {"podSelector": {"matchLabels": selector(name, "router")}, "policyTypes": ["Ingress", "Egress"],
+                  "ingress": [router_rule], "egress": router_egress}},
     ]

@@ -109,7 +109,8 @@ def test_network_policies_admit_only_the_pool():
     objs = {(o["kind"], o["metadata"]["name"]): o for o in D.desired_objects(p)}
     workers, router = objs[("NetworkPolicy", "smollm2-workers")], objs[("NetworkPolicy", "smollm2-router")]
     for np in (workers, router):
-        assert np["metadata"]["ownerReferences"][0]["uid"] == "u-1" and np["spec"]["policyTypes"] == ["Ingress"]
+        assert np["metadata"]["ownerReferences"][0]["uid"] == "u-1"
+        assert np["spec"]["policyTypes"] == ["Ingress", "Egress"]
     sel = workers["spec"]["podSelector"]
     assert sel["matchLabels"] == {D.LABEL_POOL: "smollm2"}
     assert sel["matchExpressions"] == [{"key": D.LABEL_ROLE, "operator": "In", "values": ["prefill", "decode"]}]
@@ -200,3 +201,48 @@ def test_the_installation_allows_only_its_images_and_metrics_urls(monkeypatch, h
     for url in ("http://169.254.169.254/latest/meta-data", "http://prom.monitoring.svc:9090.evil.io/"):
         with pytest.raises(SpecError, match=r"spec.autoscaling.metrics.url"):
             pool(lambda d: d["spec"].setdefault("autoscaling", {}).update(metrics={"source": "prometheus", "url": url}))
+
+
+def test_the_pools_egress_is_dns_the_pool_and_for_the_router_the_api_server():
+    """Egress (M7): workers reach DNS and the pool's workers (decode -> prefill: HTTP for /health, the
+    KV port); the router DNS, the workers' HTTP port and the API server (its discovery) at the
+    installation's CIDRs, nothing else; spec.networkPolicy.egressTo adds destinations. Before the fix
+    the policies had no egress rules (any destination)."""
+    dns = {"ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}]}
+    caps = D.Capabilities(operator_namespace="tandem-system", api_server_cidrs=("10.96.0.1/32", "172.18.0.2/32"))
+    objs = {o["metadata"]["name"]: o["spec"] for o in D.desired_objects(pool(), caps) if o["kind"] == "NetworkPolicy"}
+    workers, router = objs["smollm2-workers"], objs["smollm2-router"]
+    assert "Egress" in workers["policyTypes"] and "Egress" in router["policyTypes"]
+    assert workers["egress"] == [dns, {"to": [{"podSelector": workers["podSelector"]}],
+                                       "ports": [{"protocol": "TCP", "port": 8000}, {"protocol": "TCP", "port": D.KV_PORT}]}]
+    assert router["egress"] == [
+        dns, {"to": [{"podSelector": workers["podSelector"]}], "ports": [{"protocol": "TCP", "port": 8000}]},
+        {"to": [{"ipBlock": {"cidr": "10.96.0.1/32"}}, {"ipBlock": {"cidr": "172.18.0.2/32"}}],
+         "ports": [{"protocol": "TCP", "port": 443}, {"protocol": "TCP", "port": 6443}]}]
+    # every rule but DNS names its destinations
+    assert all(r.get("to") for sp in (workers, router) for r in sp["egress"] if r is not dns and r != dns)
+    # egressTo adds to both; an invalid peer is refused with its field
+    extra = pool(lambda d: d["spec"].update(networkPolicy={"egressTo": [{"ipBlock": "10.9.0.0/16"}]}))
+    for np in (o for o in D.desired_objects(extra) if o["kind"] == "NetworkPolicy"):
+        assert np["spec"]["egress"][-1] == {"to": [{"ipBlock": {"cidr": "10.9.0.0/16"}}]}
+    with pytest.raises(SpecError, match=r"spec.networkPolicy.egressTo\[0\]"):
+        pool(lambda d: d["spec"].update(networkPolicy={"egressTo": [{}]}))
+
+
+@pytest.mark.parametrize("watch", [False, True])
+def test_the_charts_operator_policy_has_egress_to_dns_the_api_server_and_pool_pods_only(helm_bin, watch):
+    from operator_helpers import render_chart
+    sets = ["networkPolicy.apiServerCIDRs={10.0.0.1/32}"] + (["watchNamespaces={a,b}"] if watch else [])
+    docs = [d for d in yaml.safe_load_all(render_chart(helm_bin, *sets)) if d]
+    np, = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    assert np["spec"]["policyTypes"] == ["Ingress", "Egress"]
+    dns, api, pods = np["spec"]["egress"]
+    assert "to" not in dns and {p["port"] for p in dns["ports"]} == {53}
+    assert api["to"] == [{"ipBlock": {"cidr": "10.0.0.1/32"}}] and {p["port"] for p in api["ports"]} == {443, 6443}
+    sel = {"matchExpressions": [{"key": "serving.tandem.dev/pool", "operator": "Exists"}]}
+    want = ([{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": ns}}, "podSelector": sel}
+             for ns in ("a", "b")] if watch else [{"namespaceSelector": {}, "podSelector": sel}])
+    assert pods["to"] == want and pods["ports"] == [{"protocol": "TCP", "port": 8000}]
+    dep, = [d for d in docs if d["kind"] == "Deployment"]
+    env = {e["name"]: e.get("value") for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["TANDEM_API_SERVER_CIDRS"] == "10.0.0.1/32"   # the pools' routers get the same
