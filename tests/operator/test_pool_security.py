@@ -123,3 +123,30 @@ def test_pool_secret_network_policies_and_rotation(cluster, operator):
                          for p in pods(cluster)), 60, "a router pod of the new template")
     cluster.kubectl("delete", "inferencepools.serving.tandem.dev", POOL, "-n", NS, "--wait=true", "--timeout=30s")
     wait_for(lambda: not pool_secrets(cluster), 120, "the pool's Secrets garbage-collected with their pool")
+
+
+@pytest.mark.timeout(120)
+def test_the_operator_key_is_made_once_shared_and_rotated_by_deletion(cluster):
+    """The operator's pool key on the real API server (pool_key.PoolKey, a short re-read interval
+    here): the first reader makes it, a second replica reads the same, and deleting it makes a new
+    one at the next read: every pool's derived secret then changes (the rotation of every pool)."""
+    import time
+    from kubernetes import config
+    from tandem.operator.kube import Kube
+    from tandem.operator.pool_key import PoolKey, pool_secret
+    kube = Kube(config.new_client_from_config(str(cluster.kubeconfig)))
+    ns = "pool-key-check"
+    cluster.kubectl("create", "namespace", ns, check=False)
+    env = {"TANDEM_POOL_KEY_SECRET": f"{ns}/the-key"}
+    a, b = PoolKey(kube, env, ttl=0.3), PoolKey(kube, env, ttl=0.3)
+    first = a.key()
+    assert len(first) == 32 and b.key() == first
+    stored = kget(cluster, "secret", "the-key", ns=ns)
+    assert base64.b64decode(stored["data"]["key"]) == first
+    cluster.kubectl("delete", "secret", "the-key", "-n", ns)
+    time.sleep(0.4)
+    second = a.key()
+    assert second != first and len(second) == 32
+    time.sleep(0.4)
+    assert b.key() == second   # the other replica follows at its next read
+    assert pool_secret(first, "ns", "p", "uid") != pool_secret(second, "ns", "p", "uid")
