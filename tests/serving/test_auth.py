@@ -417,12 +417,17 @@ def test_a_decode_worker_pulls_kv_only_from_a_peer_its_pool_vouched_for(secured)
     try:
         refused0 = refusals(decode, "kv")
         computed0 = metric(prefill, "tandem:prompt_tokens_computed_total")
-        claim = requests.get(prefill + "/health", timeout=10).json()["peer_claim"]
-        for peer, extra in ((rogue.url, {}), (rogue.url, {CLAIM_HEADER: claim}), (prefill, {})):
+
+        def ask(peer: str, extra: dict) -> None:
             h = {**secured.worker_headers, "X-Tandem-Prefill-Peer": peer, **extra}
             r = requests.post(decode + "/v1/chat/completions", json=body("What is the capital of France? Say it."),
                               headers=h, timeout=300)
             assert r.status_code == 200 and "Paris" in r.json()["choices"][0]["message"]["content"], (peer, r.text)
+        ask(rogue.url, {})
+        assert rogue.seen == []   # never contacted (before the fix: GET /health)
+        claim = requests.get(prefill + "/health", timeout=10).json()["peer_claim"]
+        ask(rogue.url, {CLAIM_HEADER: claim})   # another URL's claim
+        ask(prefill, {})                        # a member, but unvouched
         assert rogue.seen == []
         assert refusals(decode, "kv") == refused0 + 3
         assert metric(prefill, "tandem:prompt_tokens_computed_total") == computed0   # all prefilled locally
