@@ -302,7 +302,7 @@ class Reconciler:
         name = security.pool_secret_name(pool.metadata.name, digest)
         obj = security.pool_secret_object(pool, D._meta(pool, name), value)
         try:   # one POST per pass, as the GET it replaces: a deleted Secret is made again
-            self.kube.request("POST", object_path("v1", "secrets", ns), body=obj, retry=False)
+            self.kube.request("POST", object_path("v1", "secrets", ns), body=obj)
             res.applied.append(f"Secret/{name}")
             self.stats["applies"] += 1
         except KubeError as e:

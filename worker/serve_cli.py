@@ -95,7 +95,7 @@ async def _serve_worker(args, cfg) -> None:
     from tandem.worker.server.app import WorkerServer
     from tandem.worker.server.startup import StartingWorker, StartupStatus
     from tandem.worker.transfer.tcp import KVTransferServer
-    from tandem.worker.transfer import peer_claim
+    from tandem.worker.api import peer_claim
 
     if cfg.engine.attentionBackend == "flash-attn":
         # before the model load: a pod without flash-attn then crash-loops in seconds, and its

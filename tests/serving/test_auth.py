@@ -411,7 +411,7 @@ def test_a_decode_worker_pulls_kv_only_from_a_peer_its_pool_vouched_for(secured)
     The pool's real prefill worker named without its claim is not used either; with the claim it
     publishes at /health (what the router forwards) the KV comes from it. Before the fix the decode
     worker fetched /health from whatever host the header named."""
-    from tandem.worker.transfer.peer_claim import CLAIM_HEADER
+    from tandem.worker.api.peer_claim import CLAIM_HEADER
     (prefill,), (decode,) = urls(secured, "prefill"), urls(secured, "decode")
     rogue = _Rogue()
     try:

@@ -26,7 +26,7 @@ from aiohttp import web
 from tandem.worker.api import auth
 from tandem.worker.api.block_hash import block_hashes
 from tandem.worker.api.errors import InvalidRequestError, error_event
-from tandem.worker.transfer.peer_claim import CLAIM_HEADER
+from tandem.worker.api.peer_claim import CLAIM_HEADER
 from tandem.worker.api.http import (DEFAULT_MAX_REQUEST_BYTES, PREFILL_PEER_HEADER, TTFT_HEADER, json_error,
                                     openai_app)
 from tandem.worker.api.openai import max_prompt_chars, read_request_async

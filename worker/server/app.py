@@ -23,7 +23,8 @@ from tandem.worker.engine.async_engine import AsyncEngine, EngineDead
 from tandem.worker.engine.sequence import SamplingParams
 from tandem.worker.api.metrics import Metrics, TokenTimer
 from tandem.worker.server.responses import ResponseBuilder
-from tandem.worker.transfer import peer_claim, remote_prefill
+from tandem.worker.api import peer_claim
+from tandem.worker.transfer import remote_prefill
 from tandem.worker.transfer.tcp import KVTransferServer
 
 log = logging.getLogger(__name__)
@@ -45,7 +46,7 @@ class WorkerServer:
             handshake proves it (both ways). None: no pool credential.
         startup: the process's :class:`tandem.worker.server.startup.StartupStatus` (shown at /health).
         own_url: this worker's URL as the router discovers it: a prefill worker with a pool secret
-            vouches for it at /health (tandem.worker.transfer.peer_claim). None: no claim.
+            vouches for it at /health (tandem.worker.api.peer_claim). None: no claim.
     """
 
     def __init__(self, role: str, aengine: AsyncEngine, pool: str, model_name: str,
@@ -99,7 +100,7 @@ class WorkerServer:
 
     def _prefill_peer(self, request: web.Request) -> str | None:
         """The prefill peer the router named, if a member of the pool vouched for it (its claim,
-        tandem.worker.transfer.peer_claim); else None (a local prefill), so no caller can make this
+        tandem.worker.api.peer_claim); else None (a local prefill), so no caller can make this
         worker connect to a host outside the pool. Without a pool secret nothing can be checked."""
         peer = request.headers.get(PREFILL_PEER_HEADER)
         if peer is None or self.pool_secret is None:
