@@ -42,6 +42,9 @@ class Capabilities:
     #: where the operator runs (its pod's POD_NAMESPACE): the pools' NetworkPolicies admit its pods from
     #: that namespace only. None (tests, out of cluster): its pods from any namespace.
     operator_namespace: Optional[str] = None
+    #: where the API server is (the chart's networkPolicy.apiServerCIDRs, TANDEM_API_SERVER_CIDRS): the
+    #: router's egress to it (discovery). Empty: any address.
+    api_server_cidrs: tuple[str, ...] = ()
 
 
 def labels(pool: str, role: Optional[str] = None) -> dict[str, str]:
@@ -302,7 +305,7 @@ def desired_objects(pool: S.InferencePool, caps: Capabilities = Capabilities(),
         objs.append(dep)
     if caps.network_policies:
         objs += security.network_policies(pool, lambda name, role: _meta(pool, name, role),
-                                          caps.operator_namespace)
+                                          caps.operator_namespace, caps.api_server_cidrs)
     objs += [pdb(pool, r, caps.pdb_api_version) for r in S.ROLES]
     if caps.service_monitor:
         objs.append(service_monitor(pool))

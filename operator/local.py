@@ -105,9 +105,12 @@ class LocalFleet:
         self.dir = Path(tempfile.mkdtemp(prefix=f"{FLEET_DIR_PREFIX}{self.pool.metadata.name}-"))
         (self.dir / OWNER_FILE).write_text(str(os.getpid()))
         self.procs: list[Proc] = []
-        self.secret_file = self.api_key_file = None
+        self.secret_file = self.token_key_file = self.api_key_file = None
         if pool_secret:
             self.secret_file = _private_file(self.dir / "pool-secret", secrets.token_urlsafe(32))
+            # the router gets the pool-token key alone: it cannot make a KV proof (docs/security.md)
+            self.token_key_file = _private_file(self.dir / "pool-token-key", auth.router_token_key(
+                self.secret_file.read_bytes().strip()).text())
         if self.api_keys:
             self.api_key_file = _private_file(self.dir / "api-keys", "\n".join(self.api_keys) + "\n")
         self.lock = threading.RLock()   # procs and the discovery file: the autoscaler's thread changes them
@@ -126,10 +129,12 @@ class LocalFleet:
 
     def _credential_env(self, role: str) -> dict[str, str]:
         """The process's credentials by file, never on the command line (``ps`` shows that): the pool
-        secret for every role, the API keys for the router only."""
+        secret for the workers, the pool-token key alone and the API keys for the router."""
         env = {k: v for k, v in os.environ.items() if k not in (
-            auth.API_KEYS_ENV, auth.API_KEY_FILE_ENV, auth.POOL_SECRET_ENV, auth.POOL_SECRET_FILE_ENV)}
-        if self.secret_file:
+            auth.API_KEYS_ENV, auth.API_KEY_FILE_ENV, *auth.POOL_CREDENTIAL_ENVS)}
+        if self.secret_file and role == "router":
+            env[auth.POOL_TOKEN_KEY_FILE_ENV] = str(self.token_key_file)
+        elif self.secret_file:
             env[auth.POOL_SECRET_FILE_ENV] = str(self.secret_file)
         if self.api_key_file and role == "router":
             env[auth.API_KEY_FILE_ENV] = str(self.api_key_file)

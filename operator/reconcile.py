@@ -27,6 +27,7 @@ from . import desired as D
 from . import security
 from . import spec as S
 from .kube import Kube, KubeError, is_permanent, object_path, path_of
+from .pool_key import PoolKey
 
 log = logging.getLogger("tandem.operator")
 
@@ -108,6 +109,7 @@ class Reconciler:
         self._locks_guard = threading.Lock()
         self.stats = {"passes": 0, "applies": 0, "errors": 0}
         self._desired_cache: dict[tuple, list[dict[str, Any]]] = {}
+        self.pool_key = PoolKey(kube)
 
     def _lock(self, key: str) -> threading.Lock:
         with self._locks_guard:
@@ -121,7 +123,9 @@ class Reconciler:
                               service_monitor=k.has("monitoring.coreos.com/v1", "servicemonitors", ttl=10),
                               gie_api_version=gie, pod_deletion_cost=False,
                               network_policies=k.has("networking.k8s.io/v1", "networkpolicies", ttl=10),
-                              operator_namespace=os.environ.get("POD_NAMESPACE") or None)
+                              operator_namespace=os.environ.get("POD_NAMESPACE") or None,
+                              api_server_cidrs=tuple(c for c in os.environ.get("TANDEM_API_SERVER_CIDRS", "")
+                                                     .replace(",", " ").split() if c))
 
     # ---- events ---------------------------------------------------------------------------------
     def event(self, body: dict, reason: str, message: str, type_: str = "Normal") -> None:
@@ -287,23 +291,24 @@ class Reconciler:
         return res
 
     def _pool_secret(self, pool: S.InferencePool, res: Result) -> str:
-        """The digest of the pool's shared secret, made first when missing (a new pool, or a rotation:
-        someone deleted it). Always read from the API server (never from a snapshot: the operator may
-        get a Secret by name but does not list Secrets)."""
-        ns, name = pool.metadata.namespace or "default", pool.metadata.name
-        path = object_path("v1", "secrets", ns, security.pool_secret_name(name))
-        have = self.kube.get(path)
-        if have is not None and not any(r.get("uid") == pool.metadata.uid
-                                        for r in have["metadata"].get("ownerReferences", [])):
-            # not ours (a name clash, or left by a deleted pool of the same name): never use or touch it
-            raise KubeError(409, f"Secret {ns}/{security.pool_secret_name(name)} exists and is not owned by "
-                                 f"this pool; delete or rename it")
-        if have is None:
-            obj = security.new_pool_secret(pool, D._meta(pool, security.pool_secret_name(name)))
-            have = self.kube.request("POST", object_path("v1", "secrets", ns), body=obj)
-            res.applied.append(f"Secret/{obj['metadata']['name']}")
+        """The digest of the pool's shared secret, derived from the operator's key (pool_key.py), its
+        Secret created when missing (a new pool, a rotated key, or someone deleted it). Never read
+        back: the operator may create Secrets but not get them (docs/security.md). The Secret's name
+        carries the digest, so an existing one of that name holds this value (it cannot be made
+        without the secret) and a rotation makes a new name rather than changing one."""
+        ns = pool.metadata.namespace or "default"
+        value = security.pool_secret_value(self.pool_key.key(), pool)
+        digest = security.secret_hash(value)
+        name = security.pool_secret_name(pool.metadata.name, digest)
+        obj = security.pool_secret_object(pool, D._meta(pool, name), value)
+        try:   # one POST per pass, as the GET it replaces: a deleted Secret is made again
+            self.kube.request("POST", object_path("v1", "secrets", ns), body=obj)
+            res.applied.append(f"Secret/{name}")
             self.stats["applies"] += 1
-        return security.secret_hash(have)
+        except KubeError as e:
+            if e.status != 409:   # 409: it exists (made by an earlier pass or another replica)
+                raise
+        return digest
 
     def _drop_other_gie(self, keep: str, ns: str, name: str, uid: Optional[str], res: Result) -> None:
         """Delete this pool's GIE InferencePool in the other served version: when the GA v1 CRD

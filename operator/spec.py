@@ -205,7 +205,10 @@ class NetworkPolicySpec(_Model):
         "Who may reach the router's port. Empty: anyone."))
     workersFrom: list[PolicyPeer] = Field(default_factory=list, description=(
         "Who else may reach the workers' HTTP port (metrics scrapers); the tandem operator's pods "
-        "(label app.kubernetes.io/name=tandem-operator, any namespace) always may."))
+        "(label app.kubernetes.io/name=tandem-operator, in the operator's namespace) always may."))
+    egressTo: list[PolicyPeer] = Field(default_factory=list, description=(
+        "Where else the pool's pods may connect (any port), beyond DNS, the pool's own pods and "
+        "(router) the API server: e.g. a tracing collector."))
 
 
 class InferencePoolSpec(_Model):
@@ -345,7 +348,7 @@ def cross_field_problems(spec: InferencePoolSpec) -> list[tuple[str, str]]:
                     f"must be <= ratio.max ({pool_as.ratio.min} > {pool_as.ratio.max})"))
     if pool_as.metrics.source == "prometheus" and not pool_as.metrics.url:
         out.append(("spec.autoscaling.metrics.url", "is required when metrics.source is prometheus"))
-    for field in ("routerFrom", "workersFrom"):
+    for field in ("routerFrom", "workersFrom", "egressTo"):
         for i, peer in enumerate(getattr(spec.networkPolicy, field)):
             sel = peer.podSelector is not None or peer.namespaceSelector is not None
             if sel == (peer.ipBlock is not None):

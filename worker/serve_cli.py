@@ -95,6 +95,7 @@ async def _serve_worker(args, cfg) -> None:
     from tandem.worker.server.app import WorkerServer
     from tandem.worker.server.startup import StartingWorker, StartupStatus
     from tandem.worker.transfer.tcp import KVTransferServer
+    from tandem.worker.api import peer_claim
 
     if cfg.engine.attentionBackend == "flash-attn":
         # before the model load: a pod without flash-attn then crash-loops in seconds, and its
@@ -144,7 +145,8 @@ async def _serve_worker(args, cfg) -> None:
             log.info("KV transfer server on %s:%d", args.host, kv_port)
         server = WorkerServer(args.role, aengine, cfg.pool, engine.model_name, kv_server, kv_port,
                               max_request_bytes=args.max_request_bytes, api_keys=args.api_keys,
-                              pool_secret=args.pool_secret, startup=status)
+                              pool_secret=args.pool_secret, startup=status,
+                              own_url=peer_claim.own_url(args.host, args.port, os.environ.get("POD_IP")))
         state.update(server=server, kv_server=kv_server, aengine=aengine)
         await front.attach(server)
         status.ready()
@@ -217,10 +219,14 @@ def _serve(args) -> int:
         print(f"error: {args.config}: {e}", file=sys.stderr)
         _write_termination_message(f"{args.config}: {e}")
         return 2
-    from tandem.worker.api.auth import AuthConfigError, KeyStore, load_pool_secret
+    from tandem.worker.api.auth import AuthConfigError, KeyStore, TokenKey, load_pool_secret
     try:
         args.api_keys = KeyStore.from_env(path=args.api_key_file)
         args.pool_secret = load_pool_secret(path=args.pool_secret_file)
+        if isinstance(args.pool_secret, TokenKey) and args.role != "router":
+            # a worker proves the pool in the KV handshake: the token key alone cannot
+            raise AuthConfigError(f"a {args.role} worker needs the pool secret itself, not "
+                                  f"TANDEM_POOL_TOKEN_KEY_FILE (the router's token key)")
     except (OSError, AuthConfigError) as e:   # the message names the file, never a key
         print(f"error: {e}", file=sys.stderr)
         _write_termination_message(str(e))
@@ -260,7 +266,8 @@ def add_serve_command(sub) -> None:
                         "keys, one per line (a mounted Secret). Also: TANDEM_API_KEY_FILE, TANDEM_API_KEYS")
     s.add_argument("--pool-secret-file", default=None, metavar="PATH",
                    help="the pool's shared secret (router -> worker token, KV handshake). "
-                        "Also: TANDEM_POOL_SECRET_FILE, TANDEM_POOL_SECRET")
+                        "Also: TANDEM_POOL_SECRET_FILE, TANDEM_POOL_SECRET; a router may "
+                        "have only TANDEM_POOL_TOKEN_KEY_FILE (its token key, 64 hex digits)")
     s.add_argument("--queue-timeout", type=float, default=None, metavar="SECONDS",
                    help="router: seconds a request waits for a ready decode worker before a 503 "
                         "(default: the config's router.queueTimeoutSeconds, 300)")

@@ -29,7 +29,6 @@ is enabled (docs/autoscaler-actuation.md).
 """
 from __future__ import annotations
 
-import base64
 import logging
 import math
 import threading
@@ -39,7 +38,8 @@ from typing import Any, Optional
 from .. import desired as D
 from .. import spec as S
 from ..kube import Kube, KubeError, object_path
-from ..security import SECRET_KEY, pool_secret_name
+from ..pool_key import PoolKey
+from ..security import pool_secret_value
 from tandem.worker.api.auth import pool_headers
 from tandem.worker.api.names import WORKER_ROLES as ROLES
 from .actuate import (acted_on, decision_record, enabled_roles, least_loaded, percentiles, push_absorb_bursts,
@@ -133,6 +133,7 @@ class KubeAutoscaler:
                  window_s: float = 30.0, interval_s: float = 5.0, drain_timeout_s: float = 120.0,
                  startup_s: float = 120.0, port: int = S.WORKER_PORT):
         self.kube, self.lease, self.events, self.metrics = kube, lease, events, metrics
+        self.pool_key = PoolKey(kube)
         self.namespaces = list(namespaces or [])
         self.window_s, self.interval_s = window_s, interval_s
         self.drain_timeout_s, self.startup_s, self.port = drain_timeout_s, startup_s, port
@@ -240,7 +241,7 @@ class KubeAutoscaler:
         routers = [p for p in pods if p["metadata"].get("labels", {}).get(D.LABEL_ROLE) == "router"
                    and _ready(p) and (p.get("status") or {}).get("podIP")]
         seconds = 3 * self.interval_s if on else 0.0
-        secret = self._pool_secret(ns, name) if routers else None   # one Secret read per tick, not per router
+        secret = self._pool_secret(pool) if routers else None
         ok = True
         for p in routers:
             try:   # a token per request: each is accepted once
@@ -288,22 +289,21 @@ class KubeAutoscaler:
         self.kube.merge_patch(object_path("apps/v1", "deployments", ns, S.service_name(name, role)),
                               {"spec": {"replicas": n}})
 
-    def _pool_secret(self, ns: str, name: str) -> bytes | None:
-        """The pool's secret, from its Secret (None when there is none)."""
-        secret = self.kube.get(object_path("v1", "secrets", ns, pool_secret_name(name))) or {}
-        value = (secret.get("data") or {}).get(SECRET_KEY)
-        return base64.b64decode(value).strip() if value else None
+    def _pool_secret(self, pool: S.InferencePool) -> bytes:
+        """The pool's secret, derived from the operator's key as the reconciler does (never read from
+        its Secret: the operator may not get Secrets)."""
+        return pool_secret_value(self.pool_key.key(), pool)
 
-    def _pool_headers(self, ns: str, name: str) -> dict:
-        """A fresh pool token for a worker's POST /drain (none: an empty dict, and a worker that
-        requires one refuses the drain, which is logged and retried next tick)."""
-        return pool_headers(self._pool_secret(ns, name))
+    def _pool_headers(self, pool: S.InferencePool) -> dict:
+        """A fresh pool token for a worker's POST /drain (a worker of an older secret refuses it,
+        which is logged and retried next tick)."""
+        return pool_headers(self._pool_secret(pool))
 
     def _drain(self, body: dict, pool: S.InferencePool, st: _PoolState, role: str, pod: dict, reason: str) -> None:
         ns, name, pname = pool.metadata.namespace, pool.metadata.name, pod["metadata"]["name"]
         url = self._url(pod)
         try:
-            at_drain = start_drain(url, headers=self._pool_headers(ns, name))
+            at_drain = start_drain(url, headers=self._pool_headers(pool))
         except (OSError, ValueError) as e:
             log.warning("autoscaler: drain of %s/%s failed: %s", ns, pname, e)
             return

@@ -6,6 +6,9 @@ and asked with ``kubectl auth can-i --as`` what the operator's ServiceAccount ma
   patch; nothing on any other, nothing on mutating ones, no create.
 - With ``watchNamespaces`` the pool permissions (Secrets included) are a Role in each watched
   namespace; the ClusterRole keeps only cluster-scoped reads.
+- Secrets: the pool rules create them and nothing else (each pool's secret is derived from the
+  operator's key, operator/pool_key.py, so it is never read back); only in the operator's own
+  namespace does it get two Secrets, by name (its webhook certificate and its pool key).
 """
 import json
 
@@ -47,11 +50,28 @@ def test_webhook_configurations_only_its_own_by_name(helm_bin):
     assert vwc and all(x.get("resourceNames") == [own] and set(x["verbs"]) <= {"get", "patch"} for x in vwc), vwc
     assert not grants(rules, "validatingwebhookconfigurations", "create")
     assert not grants(rules, "validatingwebhookconfigurations", "patch", "someone-elses-policy")
-    # no wildcard anywhere; Secrets never listed or watched
+    # no wildcard anywhere
     for x in rules + [x for rs in r["roles"].values() for x in rs]:
         assert "*" not in x["verbs"] and "*" not in x["resources"] and "*" not in x["apiGroups"], x
-        if "secrets" in x["resources"]:
-            assert set(x["verbs"]) <= {"get", "create"}, x
+
+
+@pytest.mark.parametrize("watch", [False, True])
+def test_secrets_are_only_created_never_read_outside_the_operators_namespace(helm_bin, watch):
+    r = rbac(render_chart(helm_bin, *(["watchNamespaces={" + ",".join(NAMESPACED) + "}"] if watch else [])))
+    pool_rules = r["cluster"] + [x for (ns, _), rs in r["roles"].items() if ns != OPERATOR_NS for x in rs]
+    secret_rules = [x for x in pool_rules if "secrets" in x["resources"]]
+    assert secret_rules if not watch else not [x for x in r["cluster"] if "secrets" in x["resources"]]
+    for x in secret_rules:
+        assert x["verbs"] == ["create"] and x["resources"] == ["secrets"], x
+    for verb in ("get", "list", "watch", "patch", "update", "delete"):
+        assert not grants(pool_rules, "secrets", verb, "anyones-secret"), verb
+    own = r["roles"][(OPERATOR_NS, RELEASE)]
+    assert grants(own, "secrets", "get", f"{RELEASE}-pool-key") and grants(own, "secrets", "get", f"{RELEASE}-webhook-cert")
+    assert not grants(own, "secrets", "get", "another-secret") and not grants(own, "secrets", "list")
+    # the operator is told where its key is
+    dep, = [d for d in r["docs"] if d["kind"] == "Deployment"]
+    env = {e["name"]: e.get("value") for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["TANDEM_POOL_KEY_SECRET"] == f"{OPERATOR_NS}/{RELEASE}-pool-key"
 
 
 def test_namespaced_mode_grants_pool_permissions_only_in_the_watched_namespaces(helm_bin):
@@ -63,7 +83,8 @@ def test_namespaced_mode_grants_pool_permissions_only_in_the_watched_namespaces(
             assert not grants(cluster, res, verb), (res, verb)
     for ns in NAMESPACED:
         rules = r["roles"][(ns, f"{RELEASE}-pools")]
-        assert grants(rules, "secrets", "get") and grants(rules, "deployments", "patch")
+        assert grants(rules, "secrets", "create") and grants(rules, "deployments", "patch")
+        assert not grants(rules, "secrets", "get")
         assert grants(rules, "inferencepools", "watch") and grants(rules, "kopfpeerings", "patch")
     # nothing in any other namespace but the operator's own (its webhook certificate and Lease)
     assert {ns for ns, _ in r["roles"]} == {*NAMESPACED, OPERATOR_NS}
@@ -98,11 +119,16 @@ def test_the_api_server_enforces_it(cluster, helm_bin):
         assert not can_i(cluster, "rbac-check", "create", "validatingwebhookconfigurations")
         assert not can_i(cluster, "rbac-check", "patch", "mutatingwebhookconfigurations/anything")
         assert not can_i(cluster, "rbac-check", "create", "mutatingwebhookconfigurations")
-        assert not can_i(cluster, "rbac-check", "list", "secrets", "elsewhere")
+        # Secrets: created where pools may be, never read, changed or deleted (cluster-wide mode too)
+        pools_ns = NAMESPACED[0] if extra else "elsewhere"
+        assert can_i(cluster, "rbac-check", "create", "secrets", pools_ns)
+        for ns in (*NAMESPACED, "elsewhere", "kube-system"):
+            for verb in ("get", "list", "watch", "patch", "update", "delete"):
+                assert not can_i(cluster, "rbac-check", verb, "secrets", ns), (verb, ns)
+            assert not can_i(cluster, "rbac-check", "get", "secrets/some-apps-credentials", ns), ns
         if extra:   # namespaced: no Secret, Deployment or Role outside the watched namespaces
-            assert can_i(cluster, "rbac-check", "get", "secrets", NAMESPACED[0])
             for ns in ("elsewhere", "kube-system"):
-                assert not can_i(cluster, "rbac-check", "get", "secrets", ns), ns
+                assert not can_i(cluster, "rbac-check", "create", "secrets", ns), ns
                 assert not can_i(cluster, "rbac-check", "patch", "deployments", ns), ns
                 assert not can_i(cluster, "rbac-check", "create", "rolebindings", ns), ns
         # the next render replaces these objects; a ClusterRole keeps only what that render grants

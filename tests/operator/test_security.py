@@ -41,19 +41,23 @@ def test_every_pod_the_operator_makes_is_hardened(path):
         assert spec.get("automountServiceAccountToken") is (None if name.endswith("-router") else False), name
 
 
-def test_pool_secret_is_mounted_in_every_role_and_its_digest_rolls_them():
+def test_pool_secret_is_mounted_in_every_worker_the_token_key_alone_in_the_router_and_its_digest_rolls_them():
     p = pool()
-    a = deployments(D.desired_objects(p, pool_secret_hash="aaaa"))
-    b = deployments(D.desired_objects(p, pool_secret_hash="bbbb"))
+    a = deployments(D.desired_objects(p, pool_secret_hash="aaaabbbbccccdddd"))
+    b = deployments(D.desired_objects(p, pool_secret_hash="bbbbccccddddeeee"))
     for role, dep in a.items():
         tmpl = dep["spec"]["template"]
         c = tmpl["spec"]["containers"][0]
         vol = next(v for v in tmpl["spec"]["volumes"] if v["name"] == "pool-secret")
-        assert vol["secret"]["secretName"] == "smollm2-pool-secret"
+        assert vol["secret"]["secretName"] == "smollm2-pool-secret-aaaabbbbcc"
         assert vol["secret"]["defaultMode"] & 0o007 == 0, "others may not read the secret"
-        assert {"name": "pool-secret", "mountPath": SEC.POOL_SECRET_DIR, "readOnly": True} in c["volumeMounts"]
-        assert {"name": "TANDEM_POOL_SECRET_FILE", "value": f"{SEC.POOL_SECRET_DIR}/secret"} in c["env"]
-        assert tmpl["metadata"]["annotations"][SEC.ANN_SECRET_HASH] == "aaaa"
+        # each role gets only the item it needs: the router never the secret itself (L13)
+        item, mount, env = (("router-token", SEC.POOL_TOKEN_DIR, "TANDEM_POOL_TOKEN_KEY_FILE") if role == "router"
+                            else ("secret", SEC.POOL_SECRET_DIR, "TANDEM_POOL_SECRET_FILE"))
+        assert vol["secret"]["items"] == [{"key": item, "path": item}], role
+        assert {"name": "pool-secret", "mountPath": mount, "readOnly": True} in c["volumeMounts"]
+        assert {"name": env, "value": f"{mount}/{item}"} in c["env"]
+        assert tmpl["metadata"]["annotations"][SEC.ANN_SECRET_HASH] == "aaaabbbbccccdddd"
         # a new secret (rotation) changes every role's pod template: each rolls
         assert b[role]["spec"]["template"] != tmpl
         assert b[role]["metadata"]["annotations"][D.ANN_DESIRED_HASH] != dep["metadata"]["annotations"][D.ANN_DESIRED_HASH]
@@ -61,14 +65,27 @@ def test_pool_secret_is_mounted_in_every_role_and_its_digest_rolls_them():
         assert "secretKeyRef" not in str(tmpl)
 
 
-def test_new_pool_secret_is_random_owned_and_hashed_without_its_value():
+def test_pool_secret_is_derived_from_the_operator_key_per_pool_and_rotates_with_it():
+    import base64
+    from tandem.operator import pool_key as PK
+    from tandem.worker.api import auth
+    k1, k2 = b"k" * 32, b"q" * 32
     p = pool()
-    s1 = SEC.new_pool_secret(p, D._meta(p, "x"))
-    s2 = SEC.new_pool_secret(p, D._meta(p, "x"))
-    assert s1["metadata"]["name"] == "smollm2-pool-secret" and s1["metadata"]["ownerReferences"][0]["uid"] == "u-1"
-    assert s1["data"]["secret"] != s2["data"]["secret"] and len(s1["data"]["secret"]) >= 44
-    assert SEC.secret_hash(s1) != SEC.secret_hash(s2)
-    assert s1["data"]["secret"] not in SEC.secret_hash(s1)
+    v = SEC.pool_secret_value(k1, p)
+    assert v == SEC.pool_secret_value(k1, pool()) and len(v) == 43        # deterministic: nothing to read back
+    assert v != SEC.pool_secret_value(k2, p)                                # a new operator key rotates it
+    assert v != PK.pool_secret(k1, "other-ns", p.metadata.name, p.metadata.uid)
+    assert v != PK.pool_secret(k1, p.metadata.namespace, p.metadata.name, "another-uid")   # same name, new pool
+    assert v != SEC.pool_secret_value(k1, pool(lambda d: d["metadata"].setdefault("annotations", {}).update(
+        {PK.ANN_ROTATE: "2"})))                                             # one pool rotated alone
+    s = SEC.pool_secret_object(p, D._meta(p, "x"), v)
+    digest = SEC.secret_hash(v)
+    assert s["metadata"]["name"] == f"smollm2-pool-secret-{digest[:10]}"
+    assert s["metadata"]["ownerReferences"][0]["uid"] == "u-1"
+    assert s["metadata"]["labels"][SEC.ANN_SECRET_HASH] == digest
+    assert base64.b64decode(s["data"]["secret"]) == v and v.decode() not in digest
+    token = bytes.fromhex(base64.b64decode(s["data"]["router-token"]).decode())
+    assert token == auth.token_key(v) and v not in token
 
 
 def test_api_keys_are_mounted_in_the_router_only():
@@ -92,7 +109,8 @@ def test_network_policies_admit_only_the_pool():
     objs = {(o["kind"], o["metadata"]["name"]): o for o in D.desired_objects(p)}
     workers, router = objs[("NetworkPolicy", "smollm2-workers")], objs[("NetworkPolicy", "smollm2-router")]
     for np in (workers, router):
-        assert np["metadata"]["ownerReferences"][0]["uid"] == "u-1" and np["spec"]["policyTypes"] == ["Ingress"]
+        assert np["metadata"]["ownerReferences"][0]["uid"] == "u-1"
+        assert np["spec"]["policyTypes"] == ["Ingress", "Egress"]
     sel = workers["spec"]["podSelector"]
     assert sel["matchLabels"] == {D.LABEL_POOL: "smollm2"}
     assert sel["matchExpressions"] == [{"key": D.LABEL_ROLE, "operator": "In", "values": ["prefill", "decode"]}]
@@ -128,7 +146,7 @@ def test_every_child_kind_has_an_api_path():
     from tandem.operator.kube import path_of
     caps = D.Capabilities(service_monitor=True, gie_api_version="inference.networking.x-k8s.io/v1alpha2")
     p = pool(path="examples/llama3-8b-autoscaled.yaml")
-    for o in D.desired_objects(p, caps, pool_secret_hash="h") + [SEC.new_pool_secret(p, D._meta(p, "x"))]:
+    for o in D.desired_objects(p, caps, pool_secret_hash="h") + [SEC.pool_secret_object(p, D._meta(p, "x"), b"v" * 43)]:
         assert path_of(o).endswith("/" + o["metadata"]["name"]), o["kind"]
 
 
@@ -183,3 +201,48 @@ def test_the_installation_allows_only_its_images_and_metrics_urls(monkeypatch, h
     for url in ("http://169.254.169.254/latest/meta-data", "http://prom.monitoring.svc:9090.evil.io/"):
         with pytest.raises(SpecError, match=r"spec.autoscaling.metrics.url"):
             pool(lambda d: d["spec"].setdefault("autoscaling", {}).update(metrics={"source": "prometheus", "url": url}))
+
+
+def test_the_pools_egress_is_dns_the_pool_and_for_the_router_the_api_server():
+    """Egress (M7): workers reach DNS and the pool's workers (decode -> prefill: HTTP for /health, the
+    KV port); the router DNS, the workers' HTTP port and the API server (its discovery) at the
+    installation's CIDRs, nothing else; spec.networkPolicy.egressTo adds destinations. Before the fix
+    the policies had no egress rules (any destination)."""
+    dns = {"ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}]}
+    caps = D.Capabilities(operator_namespace="tandem-system", api_server_cidrs=("10.96.0.1/32", "172.18.0.2/32"))
+    objs = {o["metadata"]["name"]: o["spec"] for o in D.desired_objects(pool(), caps) if o["kind"] == "NetworkPolicy"}
+    workers, router = objs["smollm2-workers"], objs["smollm2-router"]
+    assert "Egress" in workers["policyTypes"] and "Egress" in router["policyTypes"]
+    assert workers["egress"] == [dns, {"to": [{"podSelector": workers["podSelector"]}],
+                                       "ports": [{"protocol": "TCP", "port": 8000}, {"protocol": "TCP", "port": D.KV_PORT}]}]
+    assert router["egress"] == [
+        dns, {"to": [{"podSelector": workers["podSelector"]}], "ports": [{"protocol": "TCP", "port": 8000}]},
+        {"to": [{"ipBlock": {"cidr": "10.96.0.1/32"}}, {"ipBlock": {"cidr": "172.18.0.2/32"}}],
+         "ports": [{"protocol": "TCP", "port": 443}, {"protocol": "TCP", "port": 6443}]}]
+    # every rule but DNS names its destinations
+    assert all(r.get("to") for sp in (workers, router) for r in sp["egress"] if r is not dns and r != dns)
+    # egressTo adds to both; an invalid peer is refused with its field
+    extra = pool(lambda d: d["spec"].update(networkPolicy={"egressTo": [{"ipBlock": "10.9.0.0/16"}]}))
+    for np in (o for o in D.desired_objects(extra) if o["kind"] == "NetworkPolicy"):
+        assert np["spec"]["egress"][-1] == {"to": [{"ipBlock": {"cidr": "10.9.0.0/16"}}]}
+    with pytest.raises(SpecError, match=r"spec.networkPolicy.egressTo\[0\]"):
+        pool(lambda d: d["spec"].update(networkPolicy={"egressTo": [{}]}))
+
+
+@pytest.mark.parametrize("watch", [False, True])
+def test_the_charts_operator_policy_has_egress_to_dns_the_api_server_and_pool_pods_only(helm_bin, watch):
+    from operator_helpers import render_chart
+    sets = ["networkPolicy.apiServerCIDRs={10.0.0.1/32}"] + (["watchNamespaces={a,b}"] if watch else [])
+    docs = [d for d in yaml.safe_load_all(render_chart(helm_bin, *sets)) if d]
+    np, = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    assert np["spec"]["policyTypes"] == ["Ingress", "Egress"]
+    dns, api, pods = np["spec"]["egress"]
+    assert "to" not in dns and {p["port"] for p in dns["ports"]} == {53}
+    assert api["to"] == [{"ipBlock": {"cidr": "10.0.0.1/32"}}] and {p["port"] for p in api["ports"]} == {443, 6443}
+    sel = {"matchExpressions": [{"key": "serving.tandem.dev/pool", "operator": "Exists"}]}
+    want = ([{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": ns}}, "podSelector": sel}
+             for ns in ("a", "b")] if watch else [{"namespaceSelector": {}, "podSelector": sel}])
+    assert pods["to"] == want and pods["ports"] == [{"protocol": "TCP", "port": 8000}]
+    dep, = [d for d in docs if d["kind"] == "Deployment"]
+    env = {e["name"]: e.get("value") for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["TANDEM_API_SERVER_CIDRS"] == "10.0.0.1/32"   # the pools' routers get the same

@@ -336,3 +336,105 @@ def test_only_the_pool_may_switch_the_routers_burst_absorption(secured):
     assert r.status_code == 200 and r.json()["absorbBursts"] is False
     assert requests.post(url + "/v1/chat/completions", json=body(), headers=key, timeout=300).status_code == 200
     assert absorbed() == before + 1
+
+
+def test_the_router_holds_only_the_pool_token_key_which_makes_no_kv_proof(secured):
+    """The router process is given the pool-token key alone (its environment names that file and no
+    pool secret); that key, however it is used, gets no KV transfer out of the prefill worker: the
+    handshake refuses it before allocating anything, and the refusal is counted. It still makes pool
+    tokens the workers accept (the fleet answers through the router above)."""
+    (prefill,), (decode,) = urls(secured, "prefill"), urls(secured, "decode")
+    router, = [p for p in secured.procs if p.role == "router"]
+    env = dict(line.split("=", 1) for line in
+               Path(f"/proc/{router.popen.pid}/environ").read_bytes().decode(errors="replace").split("\0") if "=" in line)
+    assert auth.POOL_SECRET_FILE_ENV not in env and auth.POOL_SECRET_ENV not in env
+    material = Path(env[auth.POOL_TOKEN_KEY_FILE_ENV]).read_bytes()
+    secret = secured.secret_file.read_bytes().strip()
+    assert secret not in material
+    token_key = auth.load_pool_secret(env={auth.POOL_TOKEN_KEY_FILE_ENV: env[auth.POOL_TOKEN_KEY_FILE_ENV]})
+    assert isinstance(token_key, auth.TokenKey)
+    assert auth.TokenVerifier(secret).check(auth.pool_token(token_key))   # what the router is for
+
+    kv_port = requests.get(prefill + "/health", timeout=10).json()["kv_port"]
+    before = {w: work_counters(w) for w in (prefill, decode)}
+    refused0 = refusals(prefill, "kv")
+    hello = {"layout": {"forged": True}, "prompt_token_ids": list(range(1, 400)), "params": {"max_tokens": 1}}
+
+    async def attempt(key):
+        with pytest.raises(TransferError) as e:
+            await pull_kv("127.0.0.1", kv_port, dict(hello), lambda i, d: asyncio.sleep(0),
+                          max_payload=1 << 20, secret=key)
+        return str(e.value)
+
+    async def main():
+        # the key as loaded, its bytes, and the file's text as if it were a pool secret
+        return [await attempt(k) for k in (token_key, bytes(token_key), material.strip())]
+    for msg in asyncio.run(main()):
+        assert "not authenticated for this pool" in msg, msg
+    assert refusals(prefill, "kv") == refused0 + 3
+    assert {w: work_counters(w) for w in (prefill, decode)} == before
+
+
+class _Rogue:
+    """A loopback HTTP server that records every request it gets (the host a forged prefill-peer header
+    would name), answering /health with a KV port of its own."""
+
+    def __init__(self):
+        import http.server
+        import threading
+        rogue = self
+        self.seen: list[str] = []
+
+        class H(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                rogue.seen.append(self.path)
+                data = b'{"kv_port": 9}'
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *a):
+                pass
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_decode_worker_pulls_kv_only_from_a_peer_its_pool_vouched_for(secured):
+    """Even with a valid pool token, a prefill-peer header naming a host outside the pool makes the
+    decode worker contact nothing: it prefills locally, answers correctly, and counts the refused peer.
+    The pool's real prefill worker named without its claim is not used either; with the claim it
+    publishes at /health (what the router forwards) the KV comes from it. Before the fix the decode
+    worker fetched /health from whatever host the header named."""
+    from tandem.worker.api.peer_claim import CLAIM_HEADER
+    (prefill,), (decode,) = urls(secured, "prefill"), urls(secured, "decode")
+    rogue = _Rogue()
+    try:
+        refused0 = refusals(decode, "kv")
+        computed0 = metric(prefill, "tandem:prompt_tokens_computed_total")
+
+        def ask(peer: str, extra: dict) -> None:
+            h = {**secured.worker_headers, "X-Tandem-Prefill-Peer": peer, **extra}
+            r = requests.post(decode + "/v1/chat/completions", json=body("What is the capital of France? Say it."),
+                              headers=h, timeout=300)
+            assert r.status_code == 200 and "Paris" in r.json()["choices"][0]["message"]["content"], (peer, r.text)
+        ask(rogue.url, {})
+        assert rogue.seen == []   # never contacted (before the fix: GET /health)
+        claim = requests.get(prefill + "/health", timeout=10).json()["peer_claim"]
+        ask(rogue.url, {CLAIM_HEADER: claim})   # another URL's claim
+        ask(prefill, {})                        # a member, but unvouched
+        assert rogue.seen == []
+        assert refusals(decode, "kv") == refused0 + 3
+        assert metric(prefill, "tandem:prompt_tokens_computed_total") == computed0   # all prefilled locally
+        h = {**secured.worker_headers, "X-Tandem-Prefill-Peer": prefill, CLAIM_HEADER: claim}
+        r = requests.post(decode + "/v1/chat/completions", json=body("What is the capital of France? Be brief."),
+                          headers=h, timeout=300)
+        assert r.status_code == 200 and "Paris" in r.json()["choices"][0]["message"]["content"], r.text
+        assert metric(prefill, "tandem:prompt_tokens_computed_total") > computed0
+    finally:
+        rogue.close()

@@ -8,6 +8,8 @@ sockets speaking the wire format.
 - Malformed HELLOs (non-JSON, arrays, lone surrogates, wrong frame types) are refused and counted.
 - After the handshake every frame is tagged: a byte changed on the path is caught before any block
   is written.
+- A REJECT before ACCEPT is not authenticated: the decode side takes it as that peer's failure (a
+  local prefill), never as a verdict that fails the request.
 """
 import asyncio
 import json
@@ -18,7 +20,8 @@ from tandem.worker.engine.async_engine import AsyncEngine
 from tandem.worker.engine.config import EngineConfig
 from tandem.worker.engine.llm_engine import LLMEngine
 from tandem.worker.transfer import handshake
-from tandem.worker.transfer.protocol import HEADER, FrameType, TransferError, read_frame, write_frame
+from tandem.worker.transfer.protocol import (HEADER, FrameType, RequestFailed, TransferError, read_frame,
+                                             write_frame)
 from tandem.worker.transfer.tcp import KVTransferServer, pull_kv
 
 pytestmark = pytest.mark.timeout(120)
@@ -242,3 +245,32 @@ def test_proofs_are_bound_to_the_body_and_the_keys_are_separate():
     assert not handshake.body_matches(proof, body.replace(b"3", b"4"))
     keys = {handshake.derive(SECRET, p) for p in (handshake.KV_PROOF, handshake.KV_FRAME, handshake.ROUTER_TOKEN)}
     assert len(keys) == 3 and SECRET not in keys
+
+
+@pytest.mark.parametrize("ftype", [FrameType.REJECT, FrameType.ERROR])
+def test_a_refusal_before_accept_is_a_failure_of_that_peer_only(ftype):
+    """A host that is no member of the pool answers the HELLO with a REJECT (or ERROR) that says the
+    request itself is invalid. Nothing before ACCEPT carries a proof, so the decode side raises a plain
+    TransferError (its caller prefills locally) and not RequestFailed (which would fail the client's
+    request with the stranger's message). Before the fix it raised RequestFailed("forged"). In a pool
+    without a secret nothing is authenticated and the old meaning stays."""
+    async def main(secret):
+        async def rogue(reader, writer):
+            write_frame(writer, FrameType.CHALLENGE, {"nonce": handshake.new_nonce()})
+            await writer.drain()
+            await read_frame(reader, max_payload=1 << 20, max_json=handshake.PROOF_MAX_JSON)
+            write_frame(writer, ftype, {"message": "forged", "field": "messages", "status": 400,
+                                        "request_error": True})
+            await writer.drain()
+            writer.close()
+        server = await asyncio.start_server(rogue, "127.0.0.1", 0)
+        try:
+            with pytest.raises(TransferError) as e:
+                await pull_kv("127.0.0.1", server.sockets[0].getsockname()[1], {"prompt_token_ids": [1, 2]},
+                              lambda i, d: asyncio.sleep(0), max_payload=1 << 20, secret=secret, deadline=10)
+            return e.value
+        finally:
+            server.close()
+    err = asyncio.run(main(SECRET))
+    assert not isinstance(err, RequestFailed) and "forged" in str(err)
+    assert isinstance(asyncio.run(main(None)), RequestFailed)

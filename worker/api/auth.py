@@ -13,7 +13,9 @@ Two credentials, checked by one aiohttp middleware (:func:`auth_middleware`):
   secret for this purpose only), accepted once within a minute of its time (:class:`TokenVerifier`),
   so a token seen on the wire cannot be used again. The KV transfer handshake
   (tandem.worker.transfer.handshake) uses keys of its own, derived from the same secret. It comes from
-  ``TANDEM_POOL_SECRET_FILE`` or ``TANDEM_POOL_SECRET``.
+  ``TANDEM_POOL_SECRET_FILE`` or ``TANDEM_POOL_SECRET``. The router needs only the token key
+  (:class:`TokenKey`, ``TANDEM_POOL_TOKEN_KEY_FILE``): holding it, a compromised router can make pool
+  tokens but no KV proof.
 
 A protected request passes with a valid API key or a valid pool token; with neither credential
 configured the process is open (as before). ``/health``, ``/ready``, ``/metrics`` and ``GET /drain``
@@ -46,6 +48,9 @@ API_KEYS_ENV = "TANDEM_API_KEYS"
 API_KEY_FILE_ENV = "TANDEM_API_KEY_FILE"
 POOL_SECRET_ENV = "TANDEM_POOL_SECRET"
 POOL_SECRET_FILE_ENV = "TANDEM_POOL_SECRET_FILE"
+POOL_TOKEN_KEY_FILE_ENV = "TANDEM_POOL_TOKEN_KEY_FILE"
+#: every variable that names a pool credential (a parent drops them from its children's environment)
+POOL_CREDENTIAL_ENVS = (POOL_SECRET_ENV, POOL_SECRET_FILE_ENV, POOL_TOKEN_KEY_FILE_ENV)
 
 #: paths anyone may GET: probes, scrapers, drain status
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
@@ -131,10 +136,38 @@ class KeyStore:
         return cls(literal, path)
 
 
+class TokenKey(bytes):
+    """The pool-token key alone (32 bytes), what the router is given instead of the pool secret: it
+    makes and checks pool tokens (:func:`token_key` returns it as it is) and derives nothing, so its
+    holder cannot make a KV proof or frame tag (tandem.worker.api.keys). Written as 64 hex digits."""
+
+    def text(self) -> str:
+        return self.hex()
+
+
+def router_token_key(secret: bytes) -> TokenKey:
+    """The :class:`TokenKey` of a pool secret (what the operator and ``tandem up`` give the router)."""
+    return TokenKey(token_key(secret))
+
+
 def load_pool_secret(env=os.environ, path: Optional[str] = None) -> Optional[bytes]:
-    """The pool secret from ``path``, ``TANDEM_POOL_SECRET_FILE`` or ``TANDEM_POOL_SECRET``; None when
-    none is set. Surrounding whitespace is dropped. Raises AuthConfigError for a missing or empty one."""
+    """The pool secret from ``path``, ``TANDEM_POOL_SECRET_FILE`` or ``TANDEM_POOL_SECRET``, else the
+    token key alone from ``TANDEM_POOL_TOKEN_KEY_FILE`` (a :class:`TokenKey`: the router's); None when
+    none is set. Surrounding whitespace is dropped. Raises AuthConfigError for a missing, empty or
+    malformed one."""
     path = path or env.get(POOL_SECRET_FILE_ENV)
+    if not path and not env.get(POOL_SECRET_ENV) and env.get(POOL_TOKEN_KEY_FILE_ENV):
+        kpath = env[POOL_TOKEN_KEY_FILE_ENV]
+        try:
+            text = Path(kpath).read_text().strip()
+            key = bytes.fromhex(text)
+        except OSError as e:
+            raise AuthConfigError(f"pool token key file {kpath}: {e.strerror}") from None
+        except ValueError:
+            raise AuthConfigError(f"pool token key file {kpath}: not hexadecimal") from None
+        if len(key) != 32:
+            raise AuthConfigError(f"pool token key file {kpath}: {len(key)} bytes, not 32")
+        return TokenKey(key)
     if path:
         try:
             data = Path(path).read_bytes().strip()
@@ -156,8 +189,8 @@ _TOKEN_RE = re.compile(r"(\d{1,12}):([0-9a-f]{32}):([0-9a-f]{64})")
 
 def token_key(secret: bytes) -> bytes:
     """The key pool tokens are made with: HKDF of the pool secret for this purpose alone (not the KV
-    handshake's keys: tandem.worker.api.keys)."""
-    return derive(secret, ROUTER_TOKEN)
+    handshake's keys: tandem.worker.api.keys); a :class:`TokenKey` is that key already."""
+    return bytes(secret) if isinstance(secret, TokenKey) else derive(secret, ROUTER_TOKEN)
 
 
 def pool_token(secret: bytes, now: Optional[float] = None) -> str:
@@ -200,10 +233,11 @@ _verifiers: dict[bytes, TokenVerifier] = {}
 
 
 def verifier_for(secret: bytes) -> TokenVerifier:
-    """This process's verifier (one replay cache) for a pool secret."""
-    if secret not in _verifiers:
-        _verifiers[secret] = TokenVerifier(secret)
-    return _verifiers[secret]
+    """This process's verifier (one replay cache) for a pool secret or its :class:`TokenKey`."""
+    k = token_key(secret)
+    if k not in _verifiers:
+        _verifiers[k] = TokenVerifier(secret)
+    return _verifiers[k]
 
 
 def pool_headers(secret: Optional[bytes]) -> dict[str, str]:

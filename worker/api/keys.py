@@ -11,6 +11,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 KV_PROOF = b"tandem kv proof v2"
 KV_FRAME = b"tandem kv frame v2"
 ROUTER_TOKEN = b"tandem router token v2"
+PEER_CLAIM = b"tandem prefill peer claim v1"
 
 
 @lru_cache(maxsize=16)

@@ -35,3 +35,9 @@ CPU_THREADS_ENV = "TANDEM_CPU_THREADS"
 #: Set by a parent that owns a ``tandem serve`` process (``tandem up``): its pid. The process gets
 #: SIGTERM (drain, then exit) when that parent dies, however it dies.
 PARENT_PID_ENV = "TANDEM_PARENT_PID"
+
+
+def worker_url(ip: str, port: int) -> str:
+    """A worker's HTTP URL from its IP (v4 or v6) and port: how the router names it (Endpoints) and how
+    a prefill worker vouches for itself (tandem.worker.api.peer_claim)."""
+    return f"http://[{ip}]:{port}" if ":" in ip else f"http://{ip}:{port}"

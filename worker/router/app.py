@@ -26,6 +26,7 @@ from aiohttp import web
 from tandem.worker.api import auth
 from tandem.worker.api.block_hash import block_hashes
 from tandem.worker.api.errors import InvalidRequestError, error_event
+from tandem.worker.api.peer_claim import CLAIM_HEADER
 from tandem.worker.api.http import (DEFAULT_MAX_REQUEST_BYTES, PREFILL_PEER_HEADER, TTFT_HEADER, json_error,
                                     openai_app)
 from tandem.worker.api.openai import max_prompt_chars, read_request_async
@@ -152,6 +153,7 @@ class Router:
                 info = await r.json()
             w.free_blocks, w.num_blocks = info.get("free_blocks", 0), info.get("num_blocks", 0)
             w.fingerprint = info.get("model_fingerprint", w.fingerprint)
+            w.peer_claim = info.get("peer_claim") if isinstance(info.get("peer_claim"), str) else None
             if isinstance(info.get("max_model_len"), int):
                 w.max_model_len = info["max_model_len"]
             w.ready = r.status == 200 and not info.get("draining", False)
@@ -303,6 +305,8 @@ class Router:
                 headers = {"Content-Type": "application/json", **auth.pool_headers(self.pool_secret)}
                 if d.prefill is not None:
                     headers[PREFILL_PEER_HEADER] = d.prefill.url
+                    if d.prefill.peer_claim:   # the decode worker connects only to a peer the pool vouched for
+                        headers[CLAIM_HEADER] = d.prefill.peer_claim
                 with _Load(d) as load:
                     t_send = time.monotonic()
                     try:

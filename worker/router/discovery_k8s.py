@@ -19,6 +19,8 @@ import threading
 import time
 from typing import Callable, Optional
 
+from tandem.worker.api.names import worker_url
+
 log = logging.getLogger("tandem.router.discovery")
 
 SLICE_GROUP = "discovery.k8s.io"
@@ -56,8 +58,7 @@ def slice_version(api_client) -> Optional[str]:
     return next((v for v in SLICE_VERSIONS if v in served), None)
 
 
-def _url(ip: str, port: int) -> str:
-    return f"http://[{ip}]:{port}" if ":" in ip else f"http://{ip}:{port}"
+_url = worker_url
 
 
 def ready_urls(endpoints: dict | None, port: int) -> list[str]:

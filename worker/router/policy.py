@@ -26,6 +26,7 @@ class WorkerState:
     fingerprint: str | None = None   # the model fingerprint the worker reports at /health (hex)
     max_model_len: int | None = None  # the context length the worker reports at /health (tokens)
     failed_polls: int = 0            # health polls in a row that got no answer (a dead or stopped worker)
+    peer_claim: str | None = None    # a prefill worker's latest claim of pool membership (/health), forwarded
     cached: OrderedDict = field(default_factory=OrderedDict)   # block hash -> None, LRU
 
     def matched_blocks(self, hashes: list[bytes]) -> int:

@@ -23,6 +23,7 @@ from tandem.worker.engine.async_engine import AsyncEngine, EngineDead
 from tandem.worker.engine.sequence import SamplingParams
 from tandem.worker.api.metrics import Metrics, TokenTimer
 from tandem.worker.server.responses import ResponseBuilder
+from tandem.worker.api import peer_claim
 from tandem.worker.transfer import remote_prefill
 from tandem.worker.transfer.tcp import KVTransferServer
 
@@ -44,13 +45,17 @@ class WorkerServer:
         pool_secret: the pool's shared secret: the router's pool token is accepted, and the KV
             handshake proves it (both ways). None: no pool credential.
         startup: the process's :class:`tandem.worker.server.startup.StartupStatus` (shown at /health).
+        own_url: this worker's URL as the router discovers it: a prefill worker with a pool secret
+            vouches for it at /health (tandem.worker.api.peer_claim). None: no claim.
     """
 
     def __init__(self, role: str, aengine: AsyncEngine, pool: str, model_name: str,
                  kv_server: KVTransferServer | None = None, kv_port: int | None = None,
                  transfer_deadline: float = 120.0, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-                 api_keys: auth.KeyStore | None = None, pool_secret: bytes | None = None, startup=None):
+                 api_keys: auth.KeyStore | None = None, pool_secret: bytes | None = None, startup=None,
+                 own_url: str | None = None):
         self.role, self.aengine, self.model_name = role, aengine, model_name
+        self.own_url = own_url
         self.startup = startup   # the StartupStatus of this process (phase timings), or None
         self.engine = aengine.engine
         self.max_request_bytes = max_request_bytes
@@ -93,6 +98,19 @@ class WorkerServer:
     async def _cleanup(self, app) -> None:
         await self.session.close()
 
+    def _prefill_peer(self, request: web.Request) -> str | None:
+        """The prefill peer the router named, if a member of the pool vouched for it (its claim,
+        tandem.worker.api.peer_claim); else None (a local prefill), so no caller can make this
+        worker connect to a host outside the pool. Without a pool secret nothing can be checked."""
+        peer = request.headers.get(PREFILL_PEER_HEADER)
+        if peer is None or self.pool_secret is None:
+            return peer
+        if peer_claim.verify_claim(self.pool_secret, peer, request.headers.get(peer_claim.CLAIM_HEADER)):
+            return peer
+        log.warning("prefill peer %r has no valid claim of this pool: prefilling locally", peer[:200])
+        self.metrics.auth_refused("kv")
+        return None
+
     # ---- status routes ----------------------------------------------------------------------
     def pending(self) -> int:
         """Requests and KV transfers still in flight (drain waits for 0)."""
@@ -112,6 +130,8 @@ class WorkerServer:
             # workers that report the same one
             "model_fingerprint": self.engine.fingerprint.hex(), "dtype": self.engine.config.dtype,
             "startup": self.startup.as_dict() if self.startup is not None else None,
+            **({"peer_claim": peer_claim.make_claim(self.pool_secret, self.own_url)}
+               if self.kv_server is not None and self.pool_secret and self.own_url else {}),
         }, status=200 if ok else 500)
 
     async def ready(self, request: web.Request) -> web.Response:
@@ -168,7 +188,7 @@ class WorkerServer:
                 return json_error(str(e), e.status, e.field)
             rid = self.aengine.new_request_id("chat" if chat else "cmpl")
             # only the router names prefill peers (a pool token, not a client's API key)
-            peer = request.headers.get(PREFILL_PEER_HEADER) \
+            peer = self._prefill_peer(request) \
                 if self.role == "decode" and auth.from_pool(request, self.pool_secret) else None
             gen = remote_prefill.generate(self.aengine, rid, ids, params, peer, self.peers, self.metrics,
                                           deadline=self.transfer_deadline)

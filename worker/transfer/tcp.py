@@ -233,6 +233,8 @@ async def pull_kv(host: str, port: int, hello: dict,
         ``(done_meta, bytes_received)``: the DONE frame's metadata (first token and its logprobs).
 
     Raises:
+        RequestFailed: the request itself failed on the peer (an ERROR after the authenticated ACCEPT,
+            or, in a pool without a secret, a REJECT naming the request).
         TransferError: refused, connection lost, malformed frame, or a deadline passed.
     """
     t_end = time.monotonic() + deadline
@@ -272,7 +274,10 @@ async def pull_kv(host: str, port: int, hello: dict,
             elif ftype == FrameType.DONE:
                 return meta, received
             elif ftype in (FrameType.REJECT, FrameType.ERROR):
-                if meta.get("request_error") is True:
+                # before ACCEPT nothing the peer sent is authenticated (its proof comes with ACCEPT):
+                # a refusal then is a failure of this peer only (a local prefill), never a verdict
+                # on the request that could fail it
+                if meta.get("request_error") is True and (accepted or secret is None):
                     raise RequestFailed(str(meta.get("message")), meta.get("field"),
                                         400 if meta.get("status") == 400 else 500)
                 raise TransferError(f"prefill worker {host}:{port} refused: {meta.get('message')}")

@@ -86,13 +86,12 @@ all namespaces, in a Role per namespace of watchNamespaces otherwise (clusterrol
 - apiGroups: [inference.networking.x-k8s.io, inference.networking.k8s.io]
   resources: [inferencepools]
   verbs: [get, list, create, patch, delete]
-# Each pool's shared secret (operator/security.py): made once, read by name to put its digest in the
-# pod templates; never listed or watched. RBAC cannot narrow get to the operator's own Secrets, so
-# this lets the operator read any Secret by name in the namespaces these rules are bound in: set
-# watchNamespaces to bound that (docs/security.md).
+# Each pool's shared secret (operator/security.py): derived from the operator's key (pool_key.py), so
+# the operator only creates the pool's Secret and never reads, lists, watches, updates or deletes
+# one outside its own namespace (docs/security.md, "The operator's permissions").
 - apiGroups: [""]
   resources: [secrets]
-  verbs: [get, create]
+  verbs: [create]
 # The pools' NetworkPolicies.
 - apiGroups: [networking.k8s.io]
   resources: [networkpolicies]
