@@ -1,5 +1,7 @@
 """The autoscaler in charge of a local fleet (``tandem up``): every ``interval_s`` it scrapes the
-router's and the workers' /metrics (:class:`PodsSource`), asks the policy, and acts:
+router's and the workers' /metrics (:class:`PodsSource`), asks the policy, and acts. The scaling logic
+(enablement, advisory, which replica goes, the tick) is :mod:`.loop`'s, shared with the operator's
+:mod:`.kube_loop`; this file is the fleet's backend of it (:class:`FleetActuator`):
 
 - up: start worker processes; each joins the router's discovery file when it answers /ready;
 - down: drain the least-loaded ready worker of the role (``POST /drain``; it leaves the discovery file
@@ -19,15 +21,16 @@ import threading
 import time
 from typing import Optional
 
-from .actuate import (acted_on, decision_record, enabled_roles, least_loaded, percentiles, start_drain, summary,
-                      wait_drained)
-from .pods_source import PodsSource, Targets, Worker
+from .actuate import decision_record, start_drain, summary, wait_drained
+from .loop import pods_source, run_every, tick
+from .pods_source import Targets, Worker
 
 log = logging.getLogger("tandem.autoscaler")
 
 
 class FleetAutoscaler:
-    """Runs the policy over a :class:`tandem.operator.local.LocalFleet` in a thread.
+    """Runs the policy over a :class:`tandem.operator.local.LocalFleet` in a thread; the scaling logic
+    is :func:`.loop.tick`'s, carried out by :class:`FleetActuator`.
 
     Args:
         fleet: the running fleet.
@@ -50,18 +53,19 @@ class FleetAutoscaler:
             from .policy import Autoscaler
             policy = Autoscaler(spec, calibration, startup_s=startup_s)
         self.policy = policy
-        self.source = source or PodsSource(window_s, percentiles(spec), stale_s=max(window_s, 3 * interval_s))
+        self.source = source or pods_source(spec, window_s, interval_s)
         self.interval_s, self.drain_timeout_s = interval_s, drain_timeout_s
-        self.enabled = enabled_roles(spec)
         self.decisions: collections.deque = collections.deque(maxlen=50)
         self.drains: list[dict] = []
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._drainers: list[threading.Thread] = []
+        self.actuator = FleetActuator(self)
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="autoscaler", daemon=True)
+        self._thread = threading.Thread(target=run_every, args=(self.interval_s, self.tick, self._stop),
+                                        name="autoscaler", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
@@ -72,15 +76,6 @@ class FleetAutoscaler:
             t.join(timeout=30)
         self.source.close()
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            t0 = time.monotonic()
-            try:
-                self.tick()
-            except Exception:  # noqa: BLE001 - one bad tick never stops the loop
-                log.exception("autoscaler tick failed")
-            self._stop.wait(max(0.0, self.interval_s - (time.monotonic() - t0)))
-
     # ---- one tick -----------------------------------------------------------------------------
     def targets(self) -> Targets:
         router = [p.url for p in self.fleet.procs if p.role == "router"]
@@ -90,37 +85,50 @@ class FleetAutoscaler:
     def tick(self):
         """Refresh the fleet, observe, decide, act. Returns the decision."""
         self.fleet.refresh()
-        t = self.targets()
-        rolling = any(w.state != "ready" for w in t.prefill + t.decode)
-        snap = self.source.observe(t, rolling_out=rolling)
-        decision = self.policy.decide(snap)
-        acted = acted_on(self.fleet.pool.spec, decision)
-        self.decisions.append(decision_record(decision, snap, acted))
+        return tick(self.fleet.pool.spec, self.policy, self.source, self.actuator)
+
+
+class FleetActuator:
+    """The local fleet's backend of :func:`.loop.tick`: a replica is a ``tandem serve`` process.
+
+    - up: start worker processes; each joins the router's discovery file when it answers /ready;
+    - down: drain the chosen worker (``POST /drain``; it leaves the discovery file at once), then stop
+      it (SIGTERM) once ``GET /drain`` says drained, on a thread of its own; as many a tick as asked.
+    """
+
+    drains_per_tick = None
+
+    def __init__(self, owner: FleetAutoscaler):
+        self.owner, self.fleet = owner, owner.fleet
+        self.name = owner.fleet.pool.metadata.name
+
+    def targets(self) -> tuple[Targets, bool]:
+        t = self.owner.targets()
+        return t, any(w.state != "ready" for w in t.prefill + t.decode)
+
+    def record(self, decision, snapshot, acted: bool) -> None:
+        self.owner.decisions.append(decision_record(decision, snapshot, acted))
         if decision.changes:
             self.fleet.out.write(f"[autoscaler] {'advisory: ' if not acted else ''}{summary(decision)}\n")
             self.fleet.out.flush()
-        if acted and decision.absorb_bursts != self.fleet.absorb_bursts:
-            self.fleet.absorb_bursts = decision.absorb_bursts   # the router prefills bursts locally (or stops)
-            self.fleet.write_discovery()
-        if acted:
-            for role in ("prefill", "decode"):
-                if self.enabled[role]:
-                    self._apply(role, decision.role(role).delta)
-        return decision
 
-    def _apply(self, role: str, delta: int) -> None:
-        for _ in range(max(0, delta)):
+    def absorb_bursts(self, on: bool) -> None:
+        if on != self.fleet.absorb_bursts:
+            self.fleet.absorb_bursts = on   # the router prefills bursts locally (or stops)
+            self.fleet.write_discovery()
+
+    def scale_up(self, role: str, delta: int, reason: str) -> None:
+        for _ in range(delta):
             p = self.fleet.start_worker(role)
             self.fleet.out.write(f"[autoscaler] started {p.name} ({p.url})\n")
-        for _ in range(max(0, -delta)):
-            ready = [p for p in self.fleet.workers(role) if p.state == "ready"]
-            victim = least_loaded(ready, lambda p: p.url)
-            if victim is None:
-                log.warning("no %s worker answers to be drained", role)
-                return
-            self._drain(victim)
 
-    def _drain(self, p) -> None:
+    def drain_candidates(self, role: str) -> list:
+        return [p for p in self.fleet.workers(role) if p.state == "ready"]
+
+    def url_of(self, p) -> str:
+        return p.url
+
+    def drain(self, role: str, p, reason: str) -> None:
         p.state = "draining"
         self.fleet.write_discovery()          # the router stops choosing it now
         try:
@@ -128,16 +136,16 @@ class FleetAutoscaler:
         except (OSError, ValueError) as e:
             at_drain = {"error": str(e)}
         rec = {"name": p.name, "role": p.role, "url": p.url, "at": time.time(), "at_drain": at_drain}
-        self.drains.append(rec)
+        self.owner.drains.append(rec)
         self.fleet.out.write(f"[autoscaler] draining {p.name}: {at_drain}\n")
         self.fleet.out.flush()
 
         def finish():
-            rec["drained"] = wait_drained(p.url, self.drain_timeout_s, stop=self._stop.is_set)
+            rec["drained"] = wait_drained(p.url, self.owner.drain_timeout_s, stop=self.owner._stop.is_set)
             self.fleet.stop_worker(p)
             rec["stopped_at"] = time.time()
             self.fleet.out.write(f"[autoscaler] stopped {p.name} (drained: {rec['drained']})\n")
             self.fleet.out.flush()
         t = threading.Thread(target=finish, name=f"drain-{p.name}", daemon=True)
-        self._drainers.append(t)
+        self.owner._drainers.append(t)
         t.start()

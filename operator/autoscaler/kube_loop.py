@@ -1,4 +1,6 @@
-"""The autoscaler in charge of Kubernetes pools: the operator's own loop, outside Kopf's handlers.
+"""The autoscaler in charge of Kubernetes pools: the operator's own loop, outside Kopf's handlers. The
+scaling logic (enablement, advisory, which replica goes, the tick) is :mod:`.loop`'s, shared with the
+local fleet's :mod:`.fleet_loop`; this file walks the pools and is their backend (:class:`KubeActuator`).
 
 Each tick (``TANDEM_AUTOSCALER_INTERVAL_SECONDS``), on the replica holding the Lease only
 (:mod:`.lease`), for every pool with an autoscaled role:
@@ -42,8 +44,9 @@ from ..pool_key import PoolKey
 from ..security import pool_secret_value
 from tandem.worker.api.auth import pool_headers
 from tandem.worker.api.names import WORKER_ROLES as ROLES
-from .actuate import (acted_on, decision_record, enabled_roles, least_loaded, percentiles, push_absorb_bursts,
-                      start_drain, summary, wait_drained)
+from .actuate import (decision_record, enabled_roles, percentiles, push_absorb_bursts, start_drain, summary,
+                      wait_drained)
+from .loop import pods_source, run_every, tick
 from .pods_source import PodsSource, Targets, Worker
 
 log = logging.getLogger("tandem.autoscaler")
@@ -94,7 +97,7 @@ class _PoolState:
             from .prometheus_source import PrometheusSource
             self.source = PrometheusSource(m.url, pool.metadata.name, window_s, pct, m.queries)
         else:
-            self.source = PodsSource(window_s, pct, stale_s=max(window_s, 3 * interval_s))
+            self.source = pods_source(pool.spec, window_s, interval_s)
         self.draining: dict[str, dict] = {}     # pod name -> drain record (in progress)
         self.absorbing = False                   # the routers were last told to absorb bursts
         self.last_key: Optional[tuple] = None
@@ -141,9 +144,14 @@ class KubeAutoscaler:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
 
-    def stop(self) -> None:
+    def run(self, min_wait_s: float = 0.5) -> None:
+        """Tick every ``interval_s`` (at least ``min_wait_s`` apart) until :meth:`stop` (blocks)."""
+        run_every(self.interval_s, self.tick, self._stop, min_wait_s)
+
+    def stop(self, release_lease: bool = True) -> None:
+        """End the ticks and the drains' waits; give the Lease up (an API call) unless told not to."""
         self._stop.set()
-        if self.lease is not None:
+        if release_lease and self.lease is not None:
             self.lease.release()
 
     def leading(self) -> bool:
@@ -194,94 +202,10 @@ class KubeAutoscaler:
             return   # the reconciler has not made the children yet
         pods = (self.kube.request("GET", object_path("v1", "pods", ns),
                                   query={"labelSelector": f"{D.LABEL_POOL}={name}"}) or {}).get("items", [])
-        targets, rolling = self._targets(pods, deps, st)
-        snap = st.source.observe(targets, rolling_out=rolling)
-        decision = st.policy.decide(snap)
-        acted = acted_on(pool.spec, decision)
-        self._metrics(ns, name, pool, decision, snap)
-        self._record(body, pool, st, decision, snap, acted)
-        if not acted:
-            return
-        if decision.absorb_bursts or st.absorbing:
-            self._absorb(pool, st, pods, decision.absorb_bursts)
-        enabled = enabled_roles(pool.spec)
-        for role in ROLES:
-            if not enabled[role]:
-                continue
-            d = decision.role(role)
-            have = deps[role]["spec"].get("replicas", 1)
-            if d.delta > 0:
-                want = have + d.delta
-                self._set_replicas(ns, name, role, want)
-                self._event(body, "ScaledUp", f"{role}: {have} -> {want} replicas: {d.reason}")
-            elif d.delta < 0:
-                mine = [p for p in pods if p["metadata"].get("labels", {}).get(D.LABEL_ROLE) == role
-                        and not p["metadata"].get("deletionTimestamp")]
-                starting = [p["metadata"]["name"] for p in mine
-                            if not _ready(p) and p["metadata"]["name"] not in st.draining]
-                if starting:
-                    # a not-ready pod beside the drained one would let the ReplicaSet delete either (it
-                    # ranks not-ready pods alike): it could remove the starting pod and leave the
-                    # drained one, not ready for good. Scale down only when the rest are ready.
-                    log.info("autoscaler: %s/%s: %s pods %s not ready; scale-down waits", ns, name, role, starting)
-                    continue
-                ready = [p for p in mine if _ready(p) and p["metadata"]["name"] not in st.draining
-                         and (p.get("status") or {}).get("podIP")]
-                victim = least_loaded(ready, self._url)
-                if victim is None:
-                    log.warning("autoscaler: %s/%s: no ready %s pod answers; not scaling down", ns, name, role)
-                    continue
-                self._drain(body, pool, st, role, victim, d.reason)
-
-    def _absorb(self, pool: S.InferencePool, st: _PoolState, pods: list[dict], on: bool) -> None:
-        """Tell each ready router pod to prefill bursts on decode workers with headroom for three ticks
-        (renewed every tick while the decision asks; it lapses by itself if this leader dies), or to
-        stop. Best effort: a router that does not answer is told again on the next tick."""
-        ns, name = pool.metadata.namespace, pool.metadata.name
-        routers = [p for p in pods if p["metadata"].get("labels", {}).get(D.LABEL_ROLE) == "router"
-                   and _ready(p) and (p.get("status") or {}).get("podIP")]
-        seconds = 3 * self.interval_s if on else 0.0
-        secret = self._pool_secret(pool) if routers else None
-        ok = True
-        for p in routers:
-            try:   # a token per request: each is accepted once
-                push_absorb_bursts(self._url(p), seconds, headers=pool_headers(secret))
-            except (OSError, ValueError) as e:
-                ok = False
-                log.warning("autoscaler: %s/%s: router %s: absorb-bursts: %s", ns, name, p["metadata"]["name"], e)
-        if on != st.absorbing and ok:
-            log.info("autoscaler: %s/%s: burst absorption %s", ns, name, "on" if on else "off")
-        st.absorbing = on or not ok
+        tick(pool.spec, st.policy, st.source, KubeActuator(self, body, pool, st, deps, pods))
 
     def _url(self, pod: dict) -> str:
         return f"http://{pod['status']['podIP']}:{self.port}"
-
-    def _targets(self, pods: list[dict], deps: dict, st: _PoolState) -> tuple[Targets, bool]:
-        t = Targets()
-        for p in pods:
-            md = p["metadata"]
-            role = md.get("labels", {}).get(D.LABEL_ROLE)
-            ip = (p.get("status") or {}).get("podIP")
-            if md.get("deletionTimestamp"):
-                state = "draining"
-            elif md["name"] in st.draining:
-                state = "draining"
-            elif _ready(p):
-                state = "ready"
-            else:
-                state = "starting"
-            url = f"http://{ip}:{self.port}" if ip else f"pending://{md['name']}"
-            if role == "router":
-                if state == "ready" and ip:
-                    t.routers.append(url)
-            elif role in ROLES:
-                t.workers(role).append(Worker(url, state, md["name"]))
-        # a change still being applied: the Deployment's pods are not (yet) what it asks for
-        rolling = bool(st.draining) or any(
-            (d.get("status") or {}).get("replicas", 0) != d["spec"].get("replicas", 1)
-            or (d.get("status") or {}).get("observedGeneration", 0) < d["metadata"].get("generation", 0)
-            for d in deps.values())
-        return t, rolling
 
     # ---- acting ---------------------------------------------------------------------------------
     def _set_replicas(self, ns: str, name: str, role: str, n: int) -> None:
@@ -298,48 +222,6 @@ class KubeAutoscaler:
         """A fresh pool token for a worker's POST /drain (a worker of an older secret refuses it,
         which is logged and retried next tick)."""
         return pool_headers(self._pool_secret(pool))
-
-    def _drain(self, body: dict, pool: S.InferencePool, st: _PoolState, role: str, pod: dict, reason: str) -> None:
-        ns, name, pname = pool.metadata.namespace, pool.metadata.name, pod["metadata"]["name"]
-        url = self._url(pod)
-        try:
-            at_drain = start_drain(url, headers=self._pool_headers(pool))
-        except (OSError, ValueError) as e:
-            log.warning("autoscaler: drain of %s/%s failed: %s", ns, pname, e)
-            return
-        rec = {"pod": pname, "role": role, "atDrain": at_drain, "started": time.time()}
-        st.draining[pname] = rec
-        self._event(body, "Draining", f"{role}: draining pod {pname} ({at_drain.get('in_flight', '?')} "
-                                      f"in flight) before scaling down: {reason}")
-
-        def finish():
-            try:
-                rec["drained"] = wait_drained(url, self.drain_timeout_s, stop=self._stop.is_set)
-                # lower replicas only once the pod reads not-ready: then the ReplicaSet removes it first
-                t_end = time.monotonic() + 60
-                while time.monotonic() < t_end and not self._stop.is_set():
-                    p = self.kube.get(object_path("v1", "pods", ns, pname))
-                    if p is None or not _ready(p):
-                        break
-                    time.sleep(0.5)
-                if self.lease is not None and not self.lease.held:
-                    log.warning("autoscaler: lost the lease while draining %s; leaving replicas as they are", pname)
-                    return
-                dep = self.kube.get(object_path("apps/v1", "deployments", ns, S.service_name(name, role)))
-                have = dep["spec"].get("replicas", 1)
-                a = getattr(pool.spec, role).autoscaling
-                want = max(a.minReplicas, have - 1)
-                if want < have:
-                    self._set_replicas(ns, name, role, want)
-                    self._event(body, "ScaledDown", f"{role}: {have} -> {want} replicas; drained pod {pname} "
-                                                    f"goes first (not ready): {reason}")
-            except Exception:  # noqa: BLE001 - a failed drain must not kill the loop
-                log.exception("autoscaler: drain of %s/%s", ns, pname)
-            finally:
-                st.draining.pop(pname, None)
-        t = threading.Thread(target=finish, name=f"drain-{pname}", daemon=True)
-        self._threads = [x for x in self._threads if x.is_alive()] + [t]
-        t.start()
 
     def _event(self, body: dict, reason: str, message: str) -> None:
         if self.events is not None:
@@ -395,3 +277,142 @@ class KubeAutoscaler:
         self.kube.merge_patch(object_path(S.API_VERSION, S.PLURAL, ns, name, "status"), {"status": patch})
         st.last_key, st.limited = key, limited
         log.info("autoscaler: %s/%s: %s%s", ns, name, "" if acted else "advisory: ", summary(decision))
+
+
+class KubeActuator:
+    """A Kubernetes pool's backend of :func:`.loop.tick` for one tick: a replica is a pod of the role's
+    Deployment, read once per tick (``deps``, ``pods``).
+
+    - up: raise the Deployment's ``spec.replicas`` by ``delta`` (an Event ``ScaledUp``);
+    - down: one pod a tick, and only while every other pod of the role is ready (module docstring):
+      drain it, wait until it reports drained and reads not-ready, then lower ``spec.replicas`` by one;
+    - record: the ``tandem:autoscaler_*`` metrics and the pool's status (:meth:`KubeAutoscaler._record`);
+    - burst absorption: pushed to every ready router pod, renewed each tick while on.
+    """
+
+    drains_per_tick = 1
+
+    def __init__(self, owner: KubeAutoscaler, body: dict, pool: S.InferencePool, st: _PoolState,
+                 deps: dict, pods: list[dict]):
+        self.owner, self.body, self.pool, self.st, self.deps, self.pods = owner, body, pool, st, deps, pods
+        self.ns, self.pool_name = pool.metadata.namespace, pool.metadata.name
+        self.name = f"{self.ns}/{self.pool_name}"
+
+    def url_of(self, pod: dict) -> str:
+        return self.owner._url(pod)
+
+    def targets(self) -> tuple[Targets, bool]:
+        t = Targets()
+        for p in self.pods:
+            md = p["metadata"]
+            role = md.get("labels", {}).get(D.LABEL_ROLE)
+            ip = (p.get("status") or {}).get("podIP")
+            if md.get("deletionTimestamp"):
+                state = "draining"
+            elif md["name"] in self.st.draining:
+                state = "draining"
+            elif _ready(p):
+                state = "ready"
+            else:
+                state = "starting"
+            url = f"http://{ip}:{self.owner.port}" if ip else f"pending://{md['name']}"
+            if role == "router":
+                if state == "ready" and ip:
+                    t.routers.append(url)
+            elif role in ROLES:
+                t.workers(role).append(Worker(url, state, md["name"]))
+        # a change still being applied: the Deployment's pods are not (yet) what it asks for
+        rolling = bool(self.st.draining) or any(
+            (d.get("status") or {}).get("replicas", 0) != d["spec"].get("replicas", 1)
+            or (d.get("status") or {}).get("observedGeneration", 0) < d["metadata"].get("generation", 0)
+            for d in self.deps.values())
+        return t, rolling
+
+    def record(self, decision, snapshot, acted: bool) -> None:
+        self.owner._metrics(self.ns, self.pool_name, self.pool, decision, snapshot)
+        self.owner._record(self.body, self.pool, self.st, decision, snapshot, acted)
+
+    def absorb_bursts(self, on: bool) -> None:
+        """Tell each ready router pod to prefill bursts on decode workers with headroom for three ticks
+        (renewed every tick while the decision asks; it lapses by itself if this leader dies), or to
+        stop. Best effort: a router that does not answer is told again on the next tick."""
+        st = self.st
+        if not (on or st.absorbing):
+            return
+        routers = [p for p in self.pods if p["metadata"].get("labels", {}).get(D.LABEL_ROLE) == "router"
+                   and _ready(p) and (p.get("status") or {}).get("podIP")]
+        seconds = 3 * self.owner.interval_s if on else 0.0
+        secret = self.owner._pool_secret(self.pool) if routers else None
+        ok = True
+        for p in routers:
+            try:   # a token per request: each is accepted once
+                push_absorb_bursts(self.url_of(p), seconds, headers=pool_headers(secret))
+            except (OSError, ValueError) as e:
+                ok = False
+                log.warning("autoscaler: %s: router %s: absorb-bursts: %s", self.name, p["metadata"]["name"], e)
+        if on != st.absorbing and ok:
+            log.info("autoscaler: %s: burst absorption %s", self.name, "on" if on else "off")
+        st.absorbing = on or not ok
+
+    def scale_up(self, role: str, delta: int, reason: str) -> None:
+        have = self.deps[role]["spec"].get("replicas", 1)
+        want = have + delta
+        self.owner._set_replicas(self.ns, self.pool_name, role, want)
+        self.owner._event(self.body, "ScaledUp", f"{role}: {have} -> {want} replicas: {reason}")
+
+    def drain_candidates(self, role: str) -> Optional[list]:
+        mine = [p for p in self.pods if p["metadata"].get("labels", {}).get(D.LABEL_ROLE) == role
+                and not p["metadata"].get("deletionTimestamp")]
+        starting = [p["metadata"]["name"] for p in mine
+                    if not _ready(p) and p["metadata"]["name"] not in self.st.draining]
+        if starting:
+            # a not-ready pod beside the drained one would let the ReplicaSet delete either (it ranks
+            # not-ready pods alike): it could remove the starting pod and leave the drained one, not
+            # ready for good. Scale down only when the rest are ready.
+            log.info("autoscaler: %s: %s pods %s not ready; scale-down waits", self.name, role, starting)
+            return None
+        return [p for p in mine if _ready(p) and p["metadata"]["name"] not in self.st.draining
+                and (p.get("status") or {}).get("podIP")]
+
+    def drain(self, role: str, pod: dict, reason: str) -> None:
+        owner, st, body, pool = self.owner, self.st, self.body, self.pool
+        ns, name, pname = self.ns, self.pool_name, pod["metadata"]["name"]
+        url = self.url_of(pod)
+        try:
+            at_drain = start_drain(url, headers=owner._pool_headers(pool))
+        except (OSError, ValueError) as e:
+            log.warning("autoscaler: drain of %s/%s failed: %s", ns, pname, e)
+            return
+        rec = {"pod": pname, "role": role, "atDrain": at_drain, "started": time.time()}
+        st.draining[pname] = rec
+        owner._event(body, "Draining", f"{role}: draining pod {pname} ({at_drain.get('in_flight', '?')} "
+                                       f"in flight) before scaling down: {reason}")
+
+        def finish():
+            try:
+                rec["drained"] = wait_drained(url, owner.drain_timeout_s, stop=owner._stop.is_set)
+                # lower replicas only once the pod reads not-ready: then the ReplicaSet removes it first
+                t_end = time.monotonic() + 60
+                while time.monotonic() < t_end and not owner._stop.is_set():
+                    p = owner.kube.get(object_path("v1", "pods", ns, pname))
+                    if p is None or not _ready(p):
+                        break
+                    time.sleep(0.5)
+                if owner.lease is not None and not owner.lease.held:
+                    log.warning("autoscaler: lost the lease while draining %s; leaving replicas as they are", pname)
+                    return
+                dep = owner.kube.get(object_path("apps/v1", "deployments", ns, S.service_name(name, role)))
+                have = dep["spec"].get("replicas", 1)
+                a = getattr(pool.spec, role).autoscaling
+                want = max(a.minReplicas, have - 1)
+                if want < have:
+                    owner._set_replicas(ns, name, role, want)
+                    owner._event(body, "ScaledDown", f"{role}: {have} -> {want} replicas; drained pod {pname} "
+                                                     f"goes first (not ready): {reason}")
+            except Exception:  # noqa: BLE001 - a failed drain must not kill the loop
+                log.exception("autoscaler: drain of %s/%s", ns, pname)
+            finally:
+                st.draining.pop(pname, None)
+        t = threading.Thread(target=finish, name=f"drain-{pname}", daemon=True)
+        owner._threads = [x for x in owner._threads if x.is_alive()] + [t]
+        t.start()

@@ -6,11 +6,10 @@ POD_NAMESPACE. Started by operator/handlers.py; imports no Kopf."""
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import os
 import socket
-import time
+import threading
 from typing import Any, Callable
 
 from ..kube import Kube
@@ -40,16 +39,11 @@ async def run_autoscaler(state: dict, events: Callable, metrics: Any) -> None:
         window_s=float(_env("TANDEM_AUTOSCALER_WINDOW_SECONDS", "30")), interval_s=interval)
     # its own thread, not the loop's default executor: the reconcile pass shares that one, and a Lease
     # attempt queued behind slow API calls there would let a standby miss its takeover (client-go runs
-    # leader election on its own goroutine for the same reason)
-    own = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="autoscaler")
-    loop = asyncio.get_running_loop()
+    # leader election on its own goroutine for the same reason). The tick is .loop.run_every's, as the
+    # local fleet's; a tick at least 0.5 s after the last one ended.
+    thread = threading.Thread(target=auto.run, kwargs={"min_wait_s": 0.5}, name="autoscaler", daemon=True)
+    thread.start()
     try:
-        while True:
-            t0 = time.monotonic()
-            try:
-                await loop.run_in_executor(own, auto.tick)
-            except Exception:  # noqa: BLE001 - nothing stops the loop
-                log.exception("autoscaler tick failed")
-            await asyncio.sleep(max(0.5, interval - (time.monotonic() - t0)))
+        await asyncio.Event().wait()     # until cancelled
     finally:
-        own.shutdown(wait=False)
+        auto.stop(release_lease=False)   # no API call on the event loop: cleanup releases the Lease

@@ -26,6 +26,15 @@ RULES = [
                        "tandem.operator", "torch", "kopf"), (), "the router runs on the contracts alone"),
     ("operator/autoscaler", ("kopf", "tandem.worker.bench"), (),
      "the policy is shared by the operator, the local fleet and the simulator"),
+    ("operator/autoscaler/loop.py", ("tandem.operator.kube", "kubernetes", "tandem.operator.local",
+                                     "tandem.operator.autoscaler.kube_loop",
+                                     "tandem.operator.autoscaler.fleet_loop"),
+     (), "the scaling logic is written once and knows neither backend (a fix to it lands once)"),
+    ("operator/autoscaler/fleet_loop.py", ("tandem.operator.kube", "kubernetes",
+                                           "tandem.operator.autoscaler.kube_loop"),
+     (), "the local fleet's backend needs no Kubernetes client"),
+    ("operator/autoscaler/kube_loop.py", ("tandem.operator.local", "tandem.operator.autoscaler.fleet_loop"), (),
+     "the Kubernetes backend knows nothing of the local fleet"),
     ("operator/simulate", ("kopf", "tandem.worker.bench"), (TRACE_FORMAT,),
      "the simulator runs without Kopf or the load generator"),
     ("worker/engine", ("tandem.operator", "kubernetes"), (), "the engine knows nothing of who deploys it"),
@@ -139,8 +148,8 @@ def test_router_imports_load_no_torch_no_kopf():
 def test_simulator_imports_load_no_torch_no_kopf():
     mods = loaded("import tandem.operator.simulate.cli, tandem.operator.simulate.run, "
                   "tandem.operator.simulate.tune, tandem.operator.autoscaler.policy, "
-                  "tandem.operator.autoscaler.fleet_loop", *NO_TORCH_NO_KOPF, "tandem.worker.bench",
-                  "tandem.worker.engine")
+                  "tandem.operator.autoscaler.fleet_loop, tandem.operator.autoscaler.loop",
+                  *NO_TORCH_NO_KOPF, "tandem.worker.bench", "tandem.worker.engine")
     assert [m for m in mods if m not in ("tandem.worker.bench", TRACE_FORMAT)] == []
 
 
