@@ -141,7 +141,7 @@ class Autoscaler:
     """
 
     def __init__(self, spec, calibration=None, *, startup_s: float = 120.0, forecast_window_s: float = 180.0,
-                 correction_alpha: float = 0.2, headroom: float = 0.9, catch_up_s: float = 240.0,
+                 correction_alpha: float = 0.2, headroom: float = 0.8, catch_up_s: float = 120.0,
                  confirm_s: float = 90.0, cancel_starting: bool = True, hold_first_token: bool = True,
                  hold_ttft_share: float = 0.5):
         self.spec = spec

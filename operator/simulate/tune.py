@@ -61,7 +61,8 @@ def _tandem_one(args) -> dict:
 def tandem_grid(cal_path, seed: int = 1, jobs: int = 2) -> list[dict]:
     """tandem's policy at every setting of :data:`run.TANDEM_GRID` on every scenario: one row per setting,
     {knobs, scenario: metrics, ..., gpu_hours: total}, and the pick: the cheapest setting whose attainment
-    reaches the aim on every scenario where any setting reaches it (the baselines' rule, across scenarios)."""
+    reaches the aim on every scenario where any setting reaches it (the baselines' rule, across scenarios);
+    when none does, the cheapest of those reaching it on the most such scenarios."""
     jobs_args = [(str(cal_path), k, n, seed) for k in R.TANDEM_GRID for n in S.NAMES]
     with ProcessPoolExecutor(jobs) as ex:
         ms = list(ex.map(_tandem_one, jobs_args))
@@ -71,8 +72,9 @@ def tandem_grid(cal_path, seed: int = 1, jobs: int = 2) -> list[dict]:
         row["gpu_hours"] = round(sum(row[n]["gpu_hours"] for n in S.NAMES), 2)
         rows.append(row)
     reachable = [n for n in S.NAMES if any(R.meets(r[n]) for r in rows)]
-    good = [r for r in rows if all(R.meets(r[n]) for n in reachable)]
-    best = min(good, key=lambda x: x["gpu_hours"]) if good else None
+    # the most scenarios meeting the SLO, then the fewest GPU-hours: where no setting meets every
+    # scenario some setting meets, a policy still ships one setting
+    best = min(rows, key=lambda x: (-sum(R.meets(x[n]) for n in reachable), x["gpu_hours"]))
     for r in rows:
         r["pick"] = r is best
     return rows

@@ -281,23 +281,31 @@ def test_a_burst_under_the_slo_is_confirmed_before_scaling_and_its_unneeded_star
     calm_pre, calm_dec = 0.4 * TTFT, 0.7 * TPOT
     slow_down = {"scaleUp": {"stabilizationWindowSeconds": 0, "maxStep": 4, "periodSeconds": 30},
                  "scaleDown": {"stabilizationWindowSeconds": 300, "maxStep": 1, "periodSeconds": 60}}
-    a = Autoscaler(spec(behavior=slow_down), CAL)
+    # at 0.9 of the modelled capacity the steady load's prefill level needs 2 replicas, so the back-off
+    # below has starting replicas to cancel (at the default 0.8 the level alone keeps 4)
+    a = Autoscaler(spec(behavior=slow_down), CAL, headroom=0.9)
+    # decode at the count the model sizes the steady load at (with every request's prefill holding a
+    # place: PerfModel.decode_replicas), so that only the burst would call for more
+    dec = steady(Autoscaler(spec(), CAL, headroom=0.9), 0, 0.3, 2, 2, pre_lat=calm_pre, dec_lat=calm_dec).decode.recommended
     for t in range(0, 120, 15):
-        steady(a, t, 0.3, 2, 2, pre_lat=calm_pre, dec_lat=calm_dec)
+        steady(a, t, 0.3, 2, dec, pre_lat=calm_pre, dec_lat=calm_dec)
     # a 30 s burst of 4x the requests, latency still under the band: nothing starts
     for t in (120, 135):
-        burst = steady(a, t, 1.2, 2, 2, pre_lat=calm_pre, dec_lat=calm_dec)
+        burst = steady(a, t, 1.2, 2, dec, pre_lat=calm_pre, dec_lat=calm_dec)
         assert burst.prefill.desired == 2 and burst.prefill.limited_by == "confirmation", burst.prefill
-        assert burst.decode.desired == 2, burst.decode
+        assert burst.decode.desired == dec and burst.decode.recommended > dec, burst.decode
     # the same load held past 90 s is a step, not a burst: it scales up
+    pre_up, dec_up = [], []   # the counts fed back stay put, so the step limit holds later ticks back
     for t in range(150, 240, 15):
-        held = steady(a, t, 1.2, 2, 2, pre_lat=calm_pre, dec_lat=calm_dec)
-    assert held.prefill.desired > 2, held.prefill
+        held = steady(a, t, 1.2, 2, dec, pre_lat=calm_pre, dec_lat=calm_dec)
+        pre_up.append(held.prefill.desired)
+        dec_up.append(held.decode.desired)
+    assert max(pre_up) > 2 and max(dec_up) > dec, (pre_up, dec_up)
     # the load is gone before the new prefill replicas are ready: the starting ones it no longer needs
     # are cancelled at once, though the 300 s down window and 1 replica per 60 s would hold them
-    up = held.prefill.desired
+    up = max(pre_up)
     back = a.decide(snap(240, role("prefill", 2, starting=up - 2, arrivals=0.3, latency=calm_pre),
-                         role("decode", 2, arrivals=0.3, latency=calm_dec)))
+                         role("decode", dec, arrivals=0.3, latency=calm_dec)))
     assert back.prefill.desired == max(2, back.prefill.recommended) < up, back.prefill
     # latency above the band scales up at once, with no confirmation
     b = Autoscaler(spec(), CAL)
