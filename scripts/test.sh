@@ -24,4 +24,5 @@ if [[ $(id -u) -eq 0 ]]; then   # the operator suite needs root (network namespa
   fi
   echo "test.sh: test cluster ready ($((SECONDS - t0)) s)"
 fi
-exec python -m pytest -ra "$@"
+# --durations=30: the slowest tests in every log (CI included), to see where the time goes
+exec python -m pytest -ra --durations=30 "$@"

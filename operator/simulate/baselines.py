@@ -338,13 +338,19 @@ class ARIMAPredictor:
 
 @functools.lru_cache(maxsize=4096)
 def _auto_arima_next(data: tuple) -> float:
-    """pmdarima.auto_arima's one-step forecast (upstream's call and defaults). A fit takes 0.5-10 s on a
-    loaded 2-core machine; the request-count and ISL series of a scenario are the trace's, the same under
-    every knob setting, so their forecasts are computed once per process."""
+    """pmdarima.auto_arima's one-step forecast (upstream's call and defaults). The request-count and ISL
+    series of a scenario are the trace's, the same under every knob setting, so their forecasts are
+    computed once per process.
+
+    The fits run with one BLAS/OpenMP thread (threadpoolctl): their matrices are a few dozen points,
+    where a second thread only adds synchronisation, and the simulator's ``--jobs`` processes would
+    each start one per core. A scenario's dynamo run took 98 s with the default threads and 18 s with
+    one on a shared 2-core machine, with the same figures (bench/RESULTS.md, eleventh session)."""
     import warnings
 
     import pmdarima
-    with warnings.catch_warnings():
+    from threadpoolctl import threadpool_limits
+    with warnings.catch_warnings(), threadpool_limits(limits=1):
         warnings.simplefilter("ignore")
         model = pmdarima.auto_arima(list(data), suppress_warnings=True, error_action="ignore")
         return float(model.predict(n_periods=1)[0])

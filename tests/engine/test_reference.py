@@ -25,16 +25,20 @@ def hf_logits(model, ids):
 
 def check_greedy(model, prompt_ids, ours, n):
     """Our greedy tokens equal transformers', except at a near-tie (top-2 margin < 1e-4 in the
-    reference logits with the reference tokens fed in), after which the continuations may differ."""
-    ref = []
-    for _ in range(n):  # plain argmax over transformers' forward: generate() would mask EOS
-        ref.append(int(hf_logits(model, prompt_ids + ref)[-1].argmax()))
-    for i, (a, b) in enumerate(zip(ours, ref)):
+    reference logits with the reference tokens fed in), after which the continuations may differ.
+
+    One forward over the prompt and our tokens, not one per token: the model is causal, so the row
+    that predicts token i sees only the prompt and tokens 0..i-1, and up to the first difference those
+    are the reference's own greedy tokens. Each row is the logits transformers' greedy decoding would
+    have computed at that step (plain argmax over its forward: generate() would mask EOS)."""
+    assert len(ours) == n
+    logits = hf_logits(model, prompt_ids + ours[:-1])[len(prompt_ids) - 1:]
+    for i, (a, row) in enumerate(zip(ours, logits)):
+        b = int(row.argmax())
         if a != b:
-            top2 = hf_logits(model, prompt_ids + ref[:i])[-1].topk(2).values
+            top2 = row.topk(2).values
             assert float(top2[0] - top2[1]) < NEAR_TIE, f"token {i} differs ({a} vs {b}) without a near-tie"
             return
-    assert len(ours) == len(ref) == n
 
 
 @pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen2"])
