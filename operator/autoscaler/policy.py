@@ -134,6 +134,15 @@ class Autoscaler:
         hold_ttft_share: the time to first token that hold is taken as: the calibrated prefill service,
             or this share of the observed p90 TTFT when a queue makes that longer (0..1; the mean of a
             queue's wait tail is about half its p90).
+        absorb_within_slack: burst absorption only while a local prefill of the mean prompt fits in the
+            running sequences' TPOT slack over their output (target x (1 - tolerance) minus the observed
+            p90 TPOT, times the mean output tokens): a local prefill stalls the decode batch it joins for
+            its whole compute. Off, absorption needs decode below the band alone, as until issue 25; on
+            the Azure code trace (H200 calibration) that stalled batches with 5k-token prefills and took
+            TPOT attainment to 81.5%.
+        recurring: confirmation and cancelling apply to isolated bursts only: while the role's
+            recommendation was above its count within the last scale-down window (before the
+            confirmation span), another rise is load coming back, and scales up at once.
 
     The defaults of ``headroom`` and ``catch_up_s`` were tuned as the simulator's baselines are: on a
     grid, on issue 10's scenarios at seed 1, one setting for all five (docs/autoscaler.md);
@@ -143,7 +152,7 @@ class Autoscaler:
     def __init__(self, spec, calibration=None, *, startup_s: float = 120.0, forecast_window_s: float = 180.0,
                  correction_alpha: float = 0.2, headroom: float = 0.8, catch_up_s: float = 120.0,
                  confirm_s: float = 90.0, cancel_starting: bool = True, hold_first_token: bool = True,
-                 hold_ttft_share: float = 0.5):
+                 hold_ttft_share: float = 0.5, absorb_within_slack: bool = True, recurring: bool = True):
         self.spec = spec
         self.perf = PerfModel.of(calibration)
         self.startup_s = float(startup_s)
@@ -155,6 +164,8 @@ class Autoscaler:
         self.cancel_starting = bool(cancel_starting)
         self.hold_first_token = bool(hold_first_token)
         self.hold_ttft_share = float(hold_ttft_share)
+        self.absorb_within_slack = bool(absorb_within_slack)
+        self.recurring = bool(recurring)
         self.limits = {"prefill": RoleLimits.of(spec.prefill, 1.0), "decode": RoleLimits.of(spec.decode, 0.1)}
         pa = spec.autoscaling
         self.scale_to_zero = bool(pa.scaleToZero)
@@ -387,12 +398,15 @@ class Autoscaler:
         want = rec
         lat = rs.latency
         calm = lat is not None and not math.isnan(lat) and lat < lim.target * (1 - lim.tolerance)
+        # bursts that recur within a scale-down window are load, not bursts: no confirmation, no cancelling
+        recurring = self.recurring and any(r > cur for t, r in st.recs
+                                           if at - lim.down_window <= t < at - max(self.confirm_s, 1.0))
         if want > cur:
             window = [r for t, r in st.recs if t >= at - lim.up_window]
             stab = max(cur, min(window)) if window else want
             if stab < want:
                 want, limited = stab, "stabilization"
-            if calm and self.confirm_s > 0 and at - st.first_at >= self.confirm_s:
+            if calm and not recurring and self.confirm_s > 0 and at - st.first_at >= self.confirm_s:
                 seen = max(cur, min(r for t, r in st.recs if t >= at - self.confirm_s))
                 if seen < want:
                     want, limited = seen, "confirmation"
@@ -416,7 +430,7 @@ class Autoscaler:
             room = max(0, lim.down_step - used)
             if want < cur - room:
                 want, limited = cur - room, "maxStep"
-            if self.cancel_starting and calm and rs.starting > 0 and role == "prefill":
+            if self.cancel_starting and calm and not recurring and rs.starting > 0 and role == "prefill":
                 keep = max(rec, rs.ready, lo)
                 if want > keep:
                     want, limited = max(keep, cur - rs.starting), None
@@ -480,4 +494,12 @@ class Autoscaler:
         breaking = (pre.latency is not None and not math.isnan(pre.latency) and pre.latency > lp.target) \
             or pre.waiting > pre.ready
         dec_ok = dec.latency is None or math.isnan(dec.latency) or dec.latency < lq.target * (1 - lq.tolerance)
+        if dec_ok and self.absorb_within_slack and self.perf is not None and pre.arrivals_per_s > 0 \
+                and dec.arrivals_per_s > 0 and dec.latency is not None and not math.isnan(dec.latency):
+            # a local prefill stalls the decode batch it joins for its whole compute: absorb only when
+            # that stall fits in the running sequences' TPOT slack over their output
+            prompt = pre.prompt_tokens_per_s / pre.arrivals_per_s
+            output = dec.output_tokens_per_s / dec.arrivals_per_s
+            slack = (lq.target * (1 - lq.tolerance) - dec.latency) * max(output, 1.0)
+            dec_ok = self.perf.local_prefill_seconds(prompt) <= slack
         return bool(short and breaking and dec_ok)
