@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tandem.operator.autoscaler.capacity import PerfModel
 from tandem.operator.autoscaler.policy import Autoscaler
 from tandem.operator.autoscaler.snapshot import PoolSnapshot, RoleSnapshot
 from tandem.operator.simulate.tune import DEFAULT_CALIBRATION
@@ -191,10 +192,18 @@ def test_forecast_leads_a_ramp():
 
 
 def test_absorb_bursts_when_prefill_breaks():
+    """Prefill is breaking its target and decode has TPOT slack over its outputs for the stall a local
+    prefill causes: absorb. With the same slack per token over 4-token outputs the stall does not fit
+    (issue 25: 5k-token prefills stalled decode batches on the Azure trace)."""
+    stall = PerfModel.of(CAL).local_prefill_seconds(380)
     a = Autoscaler(spec(), CAL)
     d = a.decide(snap(0, role("prefill", 2, arrivals=1.5, latency=2 * TTFT, waiting=4),
-                      role("decode", 6, arrivals=1.5, latency=0.5 * TPOT)))
-    assert d.absorb_bursts
+                      role("decode", 6, arrivals=1.5, latency=0.5 * TPOT, output=64)))
+    assert 0.4 * TPOT * 64 > stall and d.absorb_bursts
+    a = Autoscaler(spec(), CAL)
+    d = a.decide(snap(0, role("prefill", 2, arrivals=1.5, latency=2 * TTFT, waiting=4),
+                      role("decode", 6, arrivals=1.5, latency=0.5 * TPOT, output=4)))
+    assert 0.4 * TPOT * 4 < stall and not d.absorb_bursts
     b = Autoscaler(spec(), CAL)
     d = b.decide(snap(0, role("prefill", 2, arrivals=1.5, latency=2 * TTFT, waiting=4),
                       role("decode", 2, arrivals=1.5, latency=2 * TPOT)))
