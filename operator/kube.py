@@ -100,13 +100,17 @@ class Kube:
                 except ValueError:
                     err, msg = text, text
                 exc = KubeError(status, msg, err)
-                if status in RETRY_STATUS and retry and i + 1 < attempts:
+                # a create's 409 is AlreadyExists, an answer, not a conflict to retry: the pool Secret's
+                # POST on every pass once spent ~6 s of retries on it, and a pool's retries of a
+                # refused child came 6 s late (tests/operator/test_failing_pools.py, quota)
+                if status in RETRY_STATUS and retry and i + 1 < attempts and not (method == "POST" and status == 409):
                     last = exc
                 else:
                     raise exc
             except client.exceptions.ApiException as e:
                 exc = KubeError(e.status or 0, e.reason or str(e), e.body)
-                if (e.status in RETRY_STATUS or not e.status) and retry and i + 1 < attempts:
+                if (e.status in RETRY_STATUS or not e.status) and retry and i + 1 < attempts \
+                        and not (method == "POST" and e.status == 409):
                     last = exc
                 else:
                     raise exc from None

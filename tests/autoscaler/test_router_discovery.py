@@ -70,8 +70,8 @@ def test_a_worker_that_drops_out_of_discovery_for_a_moment_keeps_its_count():
     r.discovery = SimpleNamespace(prefill_urls=lambda: [], decode_urls=lambda: list(lists["decode"]))
     r.workers = {}
 
-    async def no_poll(w):         # stand-in for the /health poll (no workers run here)
-        w.free_blocks, w.num_blocks = 50, 100
+    async def no_poll(w):         # stand-in for the /health poll (no workers run here): a 200
+        w.free_blocks, w.num_blocks, w.ready = 50, 100, True
     r._poll = no_poll
     asyncio.run(r.poll_once())
     a, b = r.workers["http://a"], r.workers["http://b"]

@@ -145,7 +145,10 @@ class Router:
 
     # ---- worker state -----------------------------------------------------------------------
     def _states(self, urls: list[str]) -> list[WorkerState]:
-        return [self.workers.setdefault(u, WorkerState(u)) for u in urls]
+        # a worker new to discovery is ready once a health poll says so: taken as ready at once, a
+        # prefill worker restarted on its old address looked like a ready worker of another model (no
+        # fingerprint yet) and its prompts were counted as model mismatches
+        return [self.workers.setdefault(u, WorkerState(u, ready=False)) for u in urls]
 
     async def _poll(self, w: WorkerState) -> None:
         try:
