@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Iterator, Optional
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -37,29 +37,41 @@ class TraceRecord(BaseModel):
                           "params.block_tokens tokens")
 
 
-def read_trace(path: str | Path) -> tuple[dict, list[dict]]:
-    """(header, records) of a trace file, records sorted by timestamp. Raises ValueError naming the file,
-    the line and the field for a line that is not a JSON object or a record that is not valid
-    (:class:`TraceRecord`), and OSError for a file that cannot be read."""
-    header, records = {}, []
-    for n, line in enumerate(Path(path).read_text().splitlines()):
+def json_objects(path: str | Path) -> Iterator[tuple[int, dict]]:
+    """(line number from 1, object) for each non-blank line of a JSON Lines file. Raises ValueError
+    ``FILE:LINE: why`` for a line that is not a JSON object, OSError when the file cannot be read."""
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
         if not line.strip():
             continue
         try:
             obj = json.loads(line)
         except ValueError as e:
-            raise ValueError(f"{path}:{n + 1}: not JSON ({e})") from None
+            raise ValueError(f"{path}:{n}: not JSON ({e})") from None
         if not isinstance(obj, dict):
-            raise ValueError(f"{path}:{n + 1}: a record is a JSON object, not {type(obj).__name__}")
-        if n == 0 and "tandem_trace" in obj:
+            raise ValueError(f"{path}:{n}: a record is a JSON object, not {type(obj).__name__}")
+        yield n, obj
+
+
+def field_error(path, line: int, e: ValidationError) -> ValueError:
+    """``FILE:LINE: FIELD: why`` for the first error of a record's validation."""
+    err = e.errors()[0]
+    field = ".".join(str(x) for x in err["loc"]) or "row"
+    return ValueError(f"{path}:{line}: {field}: {err['msg']}")
+
+
+def read_trace(path: str | Path) -> tuple[dict, list[dict]]:
+    """(header, records) of a trace file, records sorted by timestamp. Raises ValueError naming the file,
+    the line and the field for a line that is not a JSON object or a record that is not valid
+    (:class:`TraceRecord`), and OSError for a file that cannot be read."""
+    header, records = {}, []
+    for n, obj in json_objects(path):
+        if n == 1 and "tandem_trace" in obj:
             header = obj
             continue
         try:
             rec = TraceRecord.model_validate(obj)
         except ValidationError as e:
-            err = e.errors()[0]
-            field = ".".join(str(x) for x in err["loc"])
-            raise ValueError(f"{path}:{n + 1}: {field}: {err['msg']}") from None
+            raise field_error(path, n, e) from None
         records.append({**obj, "timestamp": rec.timestamp, "prompt_tokens": rec.prompt_tokens,
                         "output_tokens": rec.output_tokens})
     records.sort(key=lambda r: r["timestamp"])

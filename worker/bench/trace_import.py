@@ -20,13 +20,14 @@ and wrapped around the span's end (docs/bench.md, "Importing production traces",
 from __future__ import annotations
 
 import csv
-import json
 import math
 from datetime import datetime
 from pathlib import Path
 from typing import Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from tandem.worker.bench.trace import field_error, json_objects, write_trace
 
 FORMATS = ("azure", "mooncake")
 MOONCAKE_BLOCK_TOKENS = 512
@@ -50,12 +51,6 @@ class MooncakeRow(BaseModel):
     hash_ids: list[int] = Field(default_factory=list)
 
 
-def _error(path, line: int, e: ValidationError) -> ValueError:
-    err = e.errors()[0]
-    field = ".".join(str(x) for x in err["loc"]) or "row"
-    return ValueError(f"{path}:{line}: {field}: {err['msg']}")
-
-
 def read_azure(path: str | Path) -> list[dict]:
     """Records (timestamp s from the first request, prompt_tokens, output_tokens) of an Azure CSV.
     Raises ValueError ``FILE:LINE: FIELD: why`` for a bad row or a missing column, OSError when unreadable."""
@@ -71,7 +66,7 @@ def read_azure(path: str | Path) -> list[dict]:
                 r = AzureRow.model_validate({k: (v.strip() if isinstance(v, str) else v) for k, v in row.items()
                                              if k is not None})
             except ValidationError as e:
-                raise _error(path, reader.line_num, e) from None
+                raise field_error(path, reader.line_num, e) from None
             out.append({"timestamp": r.TIMESTAMP.timestamp(), "prompt_tokens": r.ContextTokens,
                         "output_tokens": r.GeneratedTokens})
     return _rebase(out)
@@ -82,19 +77,11 @@ def read_mooncake(path: str | Path, block_tokens: int = MOONCAKE_BLOCK_TOKENS) -
     Raises ValueError ``FILE:LINE: FIELD: why`` for a line that is not a JSON object, a bad field, or more
     hash_ids than the prompt has blocks; OSError when unreadable."""
     out = []
-    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except ValueError as e:
-            raise ValueError(f"{path}:{n}: not JSON ({e})") from None
-        if not isinstance(obj, dict):
-            raise ValueError(f"{path}:{n}: a record is a JSON object, not {type(obj).__name__}")
+    for n, obj in json_objects(path):
         try:
             r = MooncakeRow.model_validate(obj)
         except ValidationError as e:
-            raise _error(path, n, e) from None
+            raise field_error(path, n, e) from None
         blocks = math.ceil(r.input_length / block_tokens)
         if len(r.hash_ids) > blocks:
             raise ValueError(f"{path}:{n}: hash_ids: {len(r.hash_ids)} ids for {r.input_length} tokens "
@@ -179,7 +166,6 @@ def parse_window(text: str) -> tuple[float, float]:
 def _import(args) -> int:
     import sys
 
-    from tandem.worker.bench.trace import write_trace
     try:
         window = parse_window(args.window) if args.window else None
         params, records = import_trace(args.format, args.file, window, args.scale)
