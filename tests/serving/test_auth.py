@@ -120,6 +120,22 @@ def test_workers_take_requests_only_from_their_pool(secured):
     assert r.status_code == 200 and "Paris" in r.json()["choices"][0]["message"]["content"]
 
 
+def forged_pulls(kv_port: int, secrets) -> list[str]:
+    """A KV pull with a forged layout under each of ``secrets``: each must fail (TransferError), and its
+    message is returned (a refused handshake, or a layout mismatch once the handshake passed)."""
+    hello = {"layout": {"forged": True}, "prompt_token_ids": list(range(1, 400)), "params": {"max_tokens": 1}}
+
+    async def attempt(secret):
+        with pytest.raises(TransferError) as e:
+            await pull_kv("127.0.0.1", kv_port, dict(hello), lambda i, d: asyncio.sleep(0),
+                          max_payload=1 << 20, secret=secret)
+        return str(e.value)
+
+    async def main():
+        return [await attempt(s) for s in secrets]
+    return asyncio.run(main())
+
+
 def test_forged_kv_transfers_are_refused_before_allocation(secured):
     """A client that speaks the KV protocol, without the pool's secret or with another pool's, is
     refused at the handshake: neither worker's KV usage, compute or request counters move, and the
@@ -129,18 +145,8 @@ def test_forged_kv_transfers_are_refused_before_allocation(secured):
     kv_port = requests.get(prefill + "/health", timeout=10).json()["kv_port"]
     before = {w: work_counters(w) for w in (prefill, decode)}
     refused0 = refusals(prefill, "kv")
-    hello = {"layout": {"forged": True}, "prompt_token_ids": list(range(1, 400)), "params": {"max_tokens": 1}}
     right = secured.secret_file.read_bytes().strip()
-
-    async def attempt(secret):
-        with pytest.raises(TransferError) as e:
-            await pull_kv("127.0.0.1", kv_port, dict(hello), lambda i, d: asyncio.sleep(0),
-                          max_payload=1 << 20, secret=secret)
-        return str(e.value)
-
-    async def main():
-        return [await attempt(s) for s in (None, b"another-pool-secret-0123456789", right)]
-    no_secret, other, own = asyncio.run(main())
+    no_secret, other, own = forged_pulls(kv_port, (None, b"another-pool-secret-0123456789", right))
     assert "not authenticated for this pool" in no_secret and "not authenticated for this pool" in other
     assert "KV layout mismatch" in own
     assert refusals(prefill, "kv") == refused0 + 2
@@ -358,18 +364,8 @@ def test_the_router_holds_only_the_pool_token_key_which_makes_no_kv_proof(secure
     kv_port = requests.get(prefill + "/health", timeout=10).json()["kv_port"]
     before = {w: work_counters(w) for w in (prefill, decode)}
     refused0 = refusals(prefill, "kv")
-    hello = {"layout": {"forged": True}, "prompt_token_ids": list(range(1, 400)), "params": {"max_tokens": 1}}
-
-    async def attempt(key):
-        with pytest.raises(TransferError) as e:
-            await pull_kv("127.0.0.1", kv_port, dict(hello), lambda i, d: asyncio.sleep(0),
-                          max_payload=1 << 20, secret=key)
-        return str(e.value)
-
-    async def main():
-        # the key as loaded, its bytes, and the file's text as if it were a pool secret
-        return [await attempt(k) for k in (token_key, bytes(token_key), material.strip())]
-    for msg in asyncio.run(main()):
+    # the key as loaded, its bytes, and the file's text as if it were a pool secret
+    for msg in forged_pulls(kv_port, (token_key, bytes(token_key), material.strip())):
         assert "not authenticated for this pool" in msg, msg
     assert refusals(prefill, "kv") == refused0 + 3
     assert {w: work_counters(w) for w in (prefill, decode)} == before
