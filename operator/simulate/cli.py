@@ -6,8 +6,10 @@
 The SLOs are the manifest's targets (prefill TTFT, decode TPOT); without --pool, a pool is made for the
 trace (scenarios.trace_scenario: 3x the single-request TTFT at the trace's p90 prompt, 1.5x the
 single-request TPOT at its p90 context; --write-pool writes it). Baselines' knobs: those tuned for the
-scenario a trace names in its header (operator/simulate/tuned.json) when it runs on the scenarios'
-calibration; otherwise each baseline is tuned here on the same grid and rule as the table (run.GRIDS,
+scenario a trace names in its header, as committed for the calibration it runs on
+(operator/simulate/tuned.json for the scenarios' calibration, tuned-<calibration stem>.json for another,
+written by ``python -m tandem.operator.simulate.tune --calibration FILE``); otherwise each baseline is
+tuned here on the same grid and rule as the table (run.GRIDS,
 the cheapest setting meeting the SLOs), on seed 1 for a scenario and on the trace's first half for any
 other trace (the tuning rule of issue 25), and the knobs are kept in --tuned FILE when given (read from
 it when it exists). The static fleet is the best one in hindsight on the tuning input.
@@ -190,11 +192,11 @@ def _simulate(args) -> int:
         m["policy"], m["knobs"] = name, knobs or {}
         return m, fleet
 
-    if scenario and same:
-        tuned = R.load_tuned().get(scenario, {})
-    elif args.tuned and Path(args.tuned).is_file():
-        tuned = json.loads(Path(args.tuned).read_text())
-    else:
+    tuned = R.load_tuned(None if same else cal_path).get(scenario, {}) if scenario else {}
+    if args.tuned and Path(args.tuned).is_file():
+        tuned = {**json.loads(Path(args.tuned).read_text()), **tuned}
+    missing = [n for n in names if n != "tandem" and n not in tuned]
+    if missing and not (scenario and same):
         if scenario:   # another calibration: the scenario's tuning seed on it
             recs = S.build(scenario, perf, 1).records
             dur, what = S.DURATION, f"{scenario} seed 1"
@@ -204,7 +206,7 @@ def _simulate(args) -> int:
         mins = S.minute_loads(recs, dur, perf)
         print(f"note: tuning the baselines on {what} ({len(recs)} requests; --tuned FILE keeps the knobs)",
               file=sys.stderr)
-        tuned = _tune(lambda n, k: one(n, k, recs, dur, mins), [n for n in names if n != "tandem"], bounds)
+        tuned = {**_tune(lambda n, k: one(n, k, recs, dur, mins), missing, bounds), **tuned}
         if args.tuned:
             Path(args.tuned).write_text(json.dumps(tuned, indent=1) + "\n")
 

@@ -1,5 +1,6 @@
-"""Tune the baselines' knobs on seed 1 and write operator/simulate/tuned.json; print the table of every
-policy on every scenario (seed 0) and the issue's aims.
+"""Tune the baselines' knobs on seed 1 and write operator/simulate/tuned.json (tuned-<stem>.json for another
+calibration than the scenarios' own); print the table of every policy on every scenario (seed 0) and the
+issue's aims.
 
     python -m tandem.operator.simulate.tune [--calibration FILE] [--jobs 2] [--table-only] [--markdown OUT]
     python -m tandem.operator.simulate.tune --policies apa,kpa   # re-tune these, keep the rest of tuned.json
@@ -132,7 +133,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tandem.operator.simulate.tune", description=__doc__)
     ap.add_argument("--calibration", default=str(DEFAULT_CALIBRATION))
     ap.add_argument("--jobs", type=_at_least_one, default=2, help="processes (default 2)")
-    ap.add_argument("--table-only", action="store_true", help="use the committed tuned.json")
+    ap.add_argument("--table-only", action="store_true",
+                    help="use the committed knobs (tuned.json, or tuned-<stem>.json for another calibration)")
     ap.add_argument("--policies", help="tune only these baselines (comma-separated), keeping the others' "
                                        "knobs from tuned.json")
     ap.add_argument("--markdown", help="also write the table and the aims here (Markdown)")
@@ -142,9 +144,11 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if not Path(args.calibration).is_file():
         ap.error(f"--calibration {args.calibration}: no such file")
-    if args.table_only and Path(args.calibration).resolve() != DEFAULT_CALIBRATION.resolve():
-        print("note: tuned.json's knobs were tuned on the scenarios' calibration, not on this one; "
-              "run without --table-only to tune on it", file=sys.stderr)
+    key = None if Path(args.calibration).resolve() == DEFAULT_CALIBRATION.resolve() else args.calibration
+    tuned_path = R.tuned_file(key)
+    if args.table_only and not tuned_path.is_file():
+        ap.error(f"--table-only: no knobs were tuned on {args.calibration} ({tuned_path} is missing); "
+                 "run without --table-only to tune on it")
     t0 = time.time()
     if args.tandem_grid:
         text = format_tandem_grid(tandem_grid(args.calibration, args.seed, args.jobs))
@@ -154,21 +158,21 @@ def main(argv=None) -> int:
         print(f"done in {time.time() - t0:.0f} s", file=sys.stderr)
         return 0
     if args.table_only:
-        tuned = R.load_tuned()
+        tuned = R.load_tuned(key)
     else:
         names = args.policies.split(",") if args.policies else None
         unknown = [p for p in names or [] if p not in R.POLICIES or p == "tandem"]
         if unknown:
             ap.error(f"--policies: unknown baseline(s) {', '.join(unknown)} (one of {', '.join(R.POLICIES[1:])})")
         fresh = tune_all(args.calibration, args.jobs, names)
-        tuned = R.load_tuned() if names else {}
+        tuned = R.load_tuned(key) if names else {}
         for n, knobs in fresh.items():
             tuned.setdefault(n, {}).update(knobs)
-        R.TUNED_FILE.write_text(json.dumps(tuned, indent=1, sort_keys=True) + "\n")
-        print(f"tuned in {time.time() - t0:.0f} s -> {R.TUNED_FILE}", file=sys.stderr)
+        tuned_path.write_text(json.dumps(tuned, indent=1, sort_keys=True) + "\n")
+        print(f"tuned in {time.time() - t0:.0f} s -> {tuned_path}", file=sys.stderr)
     tab = table_all(args.calibration, tuned, args.jobs)
-    rows = R.aims(tab)
     front = frontier_all(args.calibration, args.jobs)
+    rows = R.aims(tab, front)
     text = (R.format_table(tab) + "\n\n" + R.format_aims(rows) + "\n\nThe reactive oracle at every setting (seed 0):\n\n"
             + R.format_frontier(front) + "\n\n" + format_reach(rows, R.reach(tab, front)))
     print(text)

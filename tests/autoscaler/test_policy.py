@@ -286,7 +286,8 @@ def test_a_capacity_factor_learned_in_an_overload_fades_once_windows_stop_confir
 def test_a_burst_under_the_slo_is_confirmed_before_scaling_and_its_unneeded_starts_are_cancelled():
     """Issue 25 (bursts cost 1.71x the oracle): while latency is below the band, a scale-up must be called
     for over ``confirm_s`` (90 s), and prefill replicas still starting that the recommendation no longer
-    needs are cancelled at once. Latency above the band still scales up at the first tick."""
+    needs are cancelled at once. Latency above the band still scales up at the first tick. (The policy has
+    seen a whole down window of steady load first: a fresh one takes every rise as load, see below.)"""
     calm_pre, calm_dec = 0.4 * TTFT, 0.7 * TPOT
     slow_down = {"scaleUp": {"stabilizationWindowSeconds": 0, "maxStep": 4, "periodSeconds": 30},
                  "scaleDown": {"stabilizationWindowSeconds": 300, "maxStep": 1, "periodSeconds": 60}}
@@ -296,32 +297,64 @@ def test_a_burst_under_the_slo_is_confirmed_before_scaling_and_its_unneeded_star
     # decode at the count the model sizes the steady load at (with every request's prefill holding a
     # place: PerfModel.decode_replicas), so that only the burst would call for more
     dec = steady(Autoscaler(spec(), CAL, headroom=0.9), 0, 0.3, 2, 2, pre_lat=calm_pre, dec_lat=calm_dec).decode.recommended
-    for t in range(0, 120, 15):
+    w = 330   # a whole down window (300 s) of steady load seen
+    for t in range(0, w, 15):
         steady(a, t, 0.3, 2, dec, pre_lat=calm_pre, dec_lat=calm_dec)
     # a 30 s burst of 4x the requests, latency still under the band: nothing starts
-    for t in (120, 135):
+    for t in (w, w + 15):
         burst = steady(a, t, 1.2, 2, dec, pre_lat=calm_pre, dec_lat=calm_dec)
         assert burst.prefill.desired == 2 and burst.prefill.limited_by == "confirmation", burst.prefill
         assert burst.decode.desired == dec and burst.decode.recommended > dec, burst.decode
     # the same load held past 90 s is a step, not a burst: it scales up
     pre_up, dec_up = [], []   # the counts fed back stay put, so the step limit holds later ticks back
-    for t in range(150, 240, 15):
+    for t in range(w + 30, w + 120, 15):
         held = steady(a, t, 1.2, 2, dec, pre_lat=calm_pre, dec_lat=calm_dec)
         pre_up.append(held.prefill.desired)
         dec_up.append(held.decode.desired)
     assert max(pre_up) > 2 and max(dec_up) > dec, (pre_up, dec_up)
     # the load is gone before the new prefill replicas are ready: the starting ones it no longer needs
-    # are cancelled at once, though the 300 s down window and 1 replica per 60 s would hold them
+    # are cancelled, though the 300 s down window and 1 replica per 60 s would hold them; not on a
+    # window that overlaps the last scale-up's (30 s here: that would be reversing a decision on the
+    # evidence that made it, the step scenario's flapping), then at once
     up = max(pre_up)
-    back = a.decide(snap(240, role("prefill", 2, starting=up - 2, arrivals=0.3, latency=calm_pre),
-                         role("decode", dec, arrivals=0.3, latency=calm_dec)))
+
+    def back_at(t):
+        return a.decide(snap(t, role("prefill", 2, starting=up - 2, arrivals=0.3, latency=calm_pre),
+                             role("decode", dec, arrivals=0.3, latency=calm_dec)))
+    early = back_at(w + 120)            # 15 s after the last scale-up (w + 105)
+    assert early.prefill.desired == up, early.prefill
+    back = back_at(w + 135)
     assert back.prefill.desired == max(2, back.prefill.recommended) < up, back.prefill
     # latency above the band scales up at once, with no confirmation
     b = Autoscaler(spec(), CAL)
-    for t in range(0, 120, 15):
+    for t in range(0, w, 15):
         steady(b, t, 0.3, 2, 2, pre_lat=calm_pre, dec_lat=calm_dec)
-    hot = steady(b, 120, 1.2, 2, 2, pre_lat=2 * TTFT, dec_lat=2 * TPOT)
+    hot = steady(b, w, 1.2, 2, 2, pre_lat=2 * TTFT, dec_lat=2 * TPOT)
     assert hot.prefill.desired > 2 and hot.decode.desired > 2, (hot.prefill, hot.decode)
+
+
+def test_a_fresh_policy_keeps_what_it_started_until_it_has_seen_a_down_window():
+    """Issue 25, the Azure trace's start: a policy that has not yet seen a whole scale-down window cannot
+    tell whether the replicas it started were for an isolated burst or for load that comes back, so it
+    does not cancel them when latency calms; after a window of its own it does."""
+    calm_pre, calm_dec = 0.4 * TTFT, 0.7 * TPOT
+    slow_down = {"scaleUp": {"stabilizationWindowSeconds": 0, "maxStep": 4, "periodSeconds": 30},
+                 "scaleDown": {"stabilizationWindowSeconds": 300, "maxStep": 1, "periodSeconds": 60}}
+
+    def rise_then_calm(start):
+        a = Autoscaler(spec(behavior=slow_down), CAL, headroom=0.9)
+        for t in range(0, start, 15):
+            steady(a, t, 0.3, 2, 2, pre_lat=calm_pre, dec_lat=calm_dec)
+        hot = steady(a, start, 1.2, 2, 2, pre_lat=2 * TTFT, dec_lat=calm_dec)   # above the band: up at once
+        assert hot.prefill.desired > 2, hot.prefill
+        up = hot.prefill.desired
+        # a metrics window later the load is back and latency calm; the new replicas are still starting
+        return up, a.decide(snap(start + 45, role("prefill", 2, starting=up - 2, arrivals=0.3, latency=calm_pre),
+                                 role("decode", 2, arrivals=0.3, latency=calm_dec)))
+    up, fresh = rise_then_calm(60)
+    assert fresh.prefill.desired == up, fresh.prefill          # kept: held by the down window
+    up, seasoned = rise_then_calm(330)
+    assert seasoned.prefill.desired < up, seasoned.prefill     # cancelled
 
 
 def test_confirmation_and_cancelling_off_restore_the_earlier_behavior():
@@ -332,3 +365,22 @@ def test_confirmation_and_cancelling_off_restore_the_earlier_behavior():
         steady(a, t, 0.3, 2, 2, pre_lat=0.4 * TTFT, dec_lat=0.7 * TPOT)
     burst = steady(a, 120, 1.2, 2, 2, pre_lat=0.4 * TTFT, dec_lat=0.7 * TPOT)
     assert burst.prefill.desired > 2, burst.prefill
+
+
+def test_a_decode_hold_weighs_one_slot_in_the_replicas_whole_slots():
+    """Issue 25: a request held through its prefill moves the router's balance by one request, which
+    fills a replica of one slot but only one of k slots on a replica of k: the hold counts at 1/k of its
+    time. On the CPU scenarios' calibration (1 slot) a hold of one step per token is a doubled load; on
+    the H200 one (~15 slots) it takes a hold of k steps per token to weigh that much."""
+    root = Path(__file__).resolve().parents[2]
+    for name, ctx in (("smollm2-cpu-scenarios.yaml", 300), ("llama3-8b-h200.yaml", 2000)):
+        perf = PerfModel.of(Calibration.load(root / "bench/calibrations" / name))
+        target = 1.5 * perf.decode_step_seconds(1, ctx)
+        slots, step = perf.decode_slots(target, ctx)
+        k = max(1, int(slots))
+        assert (k == 1) == (name.startswith("smollm2")), (name, slots)
+        for tokens in (50.0, 400.0, 3000.0):
+            doubled = perf.decode_replicas(2 * tokens, ctx, target)
+            assert perf.decode_replicas(tokens, ctx, target, hold_s_per_token=k * step) == doubled, (name, tokens)
+            if k > 1:   # one step's hold alone weighs 1/k of a step
+                assert perf.decode_replicas(tokens, ctx, target, hold_s_per_token=step) <= doubled
