@@ -325,3 +325,18 @@ def test_the_cost_yardstick_is_the_cheapest_reactive_setting_at_the_same_attainm
     tab["s"]["tandem"] = point(0.97, 11.2, 1.0)
     assert not [r for r in R.aims(tab, {"s": pts}) if r["aim"] == R.COST_AIM][0]["ok"]
     assert R.COST_AIM not in {r["aim"] for r in R.aims(tab)}    # no frontier, no cost aim
+
+
+def test_knobs_are_kept_per_calibration_and_the_table_runs_only_what_was_tuned():
+    """Issue 25: knobs tuned on another calibration live beside tuned.json under that calibration's name,
+    and the table leaves out a baseline nobody tuned there instead of running it at its defaults."""
+    assert R.tuned_file() == R.TUNED_FILE
+    other = R.tuned_file("bench/calibrations/llama3-8b-h200.yaml")
+    assert other.parent == R.TUNED_FILE.parent and other.name == "tuned-llama3-8b-h200.json"
+    static = R.load_tuned()["output-shift"]["static"]
+    tab = R.table(PERF, CAL, {"output-shift": {"static": static}}, 0, ["output-shift"])
+    assert set(tab["output-shift"]) == {"tandem", "static"}
+    rows = R.aims(tab)
+    assert {r["aim"] for r in rows if r["scenario"] == "all"} == {
+        f"static fails somewhere (SLO, or GPU-h > {R.COST_FACTOR:g}x reactive oracle)"}
+    assert "beats static" in {r["aim"] for r in rows} and "beats hpa-slo" not in {r["aim"] for r in rows}
