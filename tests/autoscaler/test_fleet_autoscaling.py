@@ -27,6 +27,11 @@ from tandem.worker.api.calibration import Calibration
 CPU = {"requests": {"cpu": "1", "memory": "1Gi"}}
 #: SmolLM2 on this kind of CPU, measured by `tandem bench calibrate` (the spec's calibrationRef)
 CALIBRATION = ROOT / "bench" / "calibrations" / "smollm2-cpu.yaml"
+#: the autoscaler's metric window in these tests (seconds; `tandem up` and FleetAutoscaler default to 30):
+#: short, so that the heavy run's load, and the capacity factor it taught (which fades with a half-life
+#: of one window), leave the policy within a few windows of the trickle, and the trickle's streams (which
+#: must outlast the drain) can be short
+WINDOW_S = 10.0
 
 
 def _fleet(overrides: dict, name: str) -> LocalFleet:
@@ -75,7 +80,16 @@ class Shadow:
 
 @pytest.mark.timeout(600)
 def test_decode_scales_up_under_load_then_drains_a_busy_worker(tmp_path):
-    fleet = _fleet({"spec.prefill": {"replicas": 1, "resources": CPU},
+    """The control loop on real processes: decode scales up under a TPOT breach, then, under a trickle,
+    drains a worker that still streams, lets its stream end at full length and stops it: zero failed
+    requests. Timing: the autoscaler's windows are test-sized (``WINDOW_S``, the pool's 10 s
+    scale-down window); the TPOT target and the trickle's length come from the single-request TPOT
+    measured in the run, the streams two to three times as long as the drain takes to come.
+
+    float32, the calibration's dtype (the story's pool pins it too), not ``auto``: the same run on a CPU
+    with or without AVX-512-BF16 (in bfloat16 there, beside other work, the heavy run's p90 TPOT
+    reached only 0.67x a target of 2.5x one request's: bench/RESULTS.md, issue 27, helper h27c)."""
+    fleet = _fleet({"spec.model.dtype": "float32", "spec.prefill": {"replicas": 1, "resources": CPU},
                     "spec.decode": {"resources": CPU, "autoscaling": {
                         "enabled": True, "minReplicas": 1, "maxReplicas": 2,
                         "target": {"metric": "tpot", "percentile": 90, "seconds": 1.0},   # set below, in-run
@@ -86,16 +100,20 @@ def test_decode_scales_up_under_load_then_drains_a_busy_worker(tmp_path):
     prom = Prometheus(tmp_path / "prometheus")
     try:
         single_tpot(fleet.endpoint, 8)                        # warm-up
-        # the single request's TPOT, the highest of three: this machine is shared, and a target set on
-        # a lucky measurement would read a trickle as a breach
-        single = max(single_tpot(fleet.endpoint) for _ in range(3))
+        # the single request's TPOT, the median of three: this machine is shared, and a target set on a
+        # lucky measurement would read a trickle as a breach, one set on a measurement slowed by a
+        # neighbour's burst would not see the heavy run's breach (the highest of three did, beside a
+        # chaos soak: p90 at 0.84x the target)
+        singles = sorted(single_tpot(fleet.endpoint) for _ in range(3))
+        single = singles[1]
         target = TPOT_TARGET_FACTOR * single
         fleet.pool.spec.decode.autoscaling.target.seconds = target
-        print(f"single-request TPOT {single * 1e3:.1f} ms; target {target * 1e3:.1f} ms", flush=True)
-        loop = FleetAutoscaler(fleet, window_s=20, interval_s=2, startup_s=20,
+        print(f"single-request TPOT {single * 1e3:.1f} ms (of {[round(x * 1e3, 1) for x in singles]}); "
+              f"target {target * 1e3:.1f} ms", flush=True)
+        loop = FleetAutoscaler(fleet, window_s=WINDOW_S, interval_s=2, startup_s=20,
                                calibration=Calibration.load(CALIBRATION))
         loop.start()
-        shadow = Shadow(fleet, loop, prom, window_s=20)
+        shadow = Shadow(fleet, loop, prom, window_s=WINDOW_S)
 
         # a load that pushes TPOT over the target: the decode pool grows to 2
         heavy = _bench(fleet.endpoint, tmp_path / "heavy", "--num-prompts", "4000", "--concurrency", "32",
@@ -124,9 +142,12 @@ def test_decode_scales_up_under_load_then_drains_a_busy_worker(tmp_path):
         heavy.terminate()   # the rest of the heavy run is not needed (a terminated client is not a failure)
         heavy.wait(60)
         assert wait_for(lambda: all(load_of(p.url) == 0 for p in fleet.workers("decode")), timeout=60, interval=0.2)
-        # about 120 s each: the capacity factor the heavy run taught (on 2 cores a second replica adds
-        # little) fades back over a few 20 s windows before the policy sees one replica suffice
-        tokens = int(min(1900, max(300, 120.0 / single)))
+        # about 45 s each alone (longer two at a time): the capacity factor the heavy run taught (on 2
+        # cores a second replica adds little) fades back over a few 10 s windows, and the 10 s
+        # scale-down window passes, before the policy sees one replica suffice. The drain came 17 s
+        # into the trickle (35 s with 20 s windows, when the streams were 120 s alone and, beside other
+        # work, outlasted the 240 s wait below: bench/RESULTS.md, issue 27, helper h27c)
+        tokens = int(min(1900, max(300, 45.0 / single)))
         t_trickle = time.time()
         trickle = _bench(fleet.endpoint, tmp_path / "trickle", "--num-prompts", "2", "--concurrency", "2",
                          "--output-len", str(tokens), "--fail-on-error")
