@@ -122,7 +122,15 @@ def test_decode_scales_up_under_load_then_drains_a_busy_worker(tmp_path):
                         interval=1)
         ups = [d for d in loop.decisions if d["decode"]["desired"] > d["decode"]["current"]]
         assert grew and ups, f"decode never reached 2 ready workers; decisions: {list(loop.decisions)[-5:]}"
-        # the load pushed TPOT over the target (the calibrated policy may act on the demand first)
+        # the load pushed TPOT over the target (the calibrated policy may act on the demand first), in the
+        # acting loop's windows and in Prometheus's. Waited for while the heavy run goes on: a heavy
+        # request takes 48 steps of a batch of up to 32, so when the demand alone has already added the
+        # replica (a tick after the load began), few of them have ended in a window; the reading at
+        # that moment was 0.6-0.84x the target beside other work, 1.5-3.4x on a quieter machine
+        def peaks() -> tuple[float, float]:
+            return (max(d["decode"]["observed"] or 0 for d in list(loop.decisions)),
+                    max(sn.decode.latency or 0 for sn, _ in list(shadow.decisions)))
+        wait_for(lambda: min(peaks()) > target * 1.1, timeout=90, interval=1)
         peak = max(d["decode"]["observed"] or 0 for d in loop.decisions)
         print(f"heavy load: p90 TPOT up to {peak * 1e3:.1f} ms ({peak / target:.2f}x the target)", flush=True)
         assert peak > target * 1.1, list(loop.decisions)
