@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from fleet_utils import ROOT, example_manifest
-from tandem.worker.bench.chaos import FAULT_KINDS, UNAVOIDABLE, ChaosConfig, fault_schedule, run_chaos
+from tandem.worker.bench.chaos import FAULT_KINDS, UNAVOIDABLE, ChaosConfig, fault_schedule, run_chaos, table
 
 
 def test_fault_schedule_is_seeded_and_meets_every_kind():
@@ -54,3 +54,36 @@ def test_chaos_soak_fails_only_begun_streams_and_leaks_nothing(tmp_path):
     assert s["faults"] == {k: 1 for k in FAULT_KINDS}, s["fault_log"]
     assert s["by_class"].get("ok", 0) > 0, s["by_class"]
     assert (tmp_path / "requests.jsonl").read_text().count("\n") == s["requests"]
+    # SLO recovery: one entry per injected fault, each measured against the same aim
+    assert [x["kind"] for x in s["slo_recovery"]] == [f["kind"] for f in s["fault_log"]
+                                                      if not f["note"].startswith(("skipped", "failed"))]
+    assert s["slo"]["aim_s"] == pytest.approx(s["slo"]["startup_s"] + 2 * cfg.autoscale_window_s, abs=0.11)
+    assert "recovery to >= 95%" in table(s)
+
+
+def test_slo_recovery_is_the_first_window_back_at_95_percent():
+    """Per fault: the first time from which a window's requests meet the SLO in >= 95% of cases. Rows
+    as requests.jsonl writes them; one request a second, TTFT 5 s (a miss) for the 10 s after a fault
+    at t=20, then 0.2 s; TPOT 0.1 s throughout, except one failed request."""
+    from tandem.worker.bench.chaos import Fault, slo_met, slo_recovery, startup_seconds
+
+    def row(t, ttft, cls="ok"):
+        return {"send_unix": 1000.0 + t, "ttft": ttft, "e2e": None if ttft is None else ttft + 0.1 * 9,
+                "completion_tokens": 10, "class": cls}
+    rows = [row(t, 5.0 if 20 <= t < 30 else 0.2) for t in range(60)]
+    rows[45] = row(45, None, "failed")
+    assert slo_met(rows[0], 3.0, 0.5) and not slo_met(rows[21], 3.0, 0.5) and not slo_met(rows[45], 3.0, 0.5)
+    assert not slo_met(rows[0], 3.0, 0.05)                     # TPOT counts too
+    faults = [Fault(0, "kill_decode", 1020.0, 1030.0, "decode-0"), Fault(1, "cut_kv", 1040.0, 1041.0),
+              Fault(2, "kill_prefill", 1050.0, 1050.0, note="skipped: 1 ready prefill worker(s)")]
+    out = slo_recovery(rows, faults, 3.0, 0.5, window_s=5.0, aim_s=25.0)
+    assert [x["id"] for x in out] == [0, 1]                  # a skipped fault is not measured
+    assert out[0]["recovery_s"] == 10.0 and out[0]["within_aim"] and out[0]["attainment_after"] == 0.0
+    # the failed request at 45 s: windows [41, 46) .. [45, 50) hold it (4/5 = 80%); back from 46 s
+    assert out[1]["recovery_s"] == 0.0                        # [40, 45) is clean
+    late = slo_recovery(rows, faults[:1], 3.0, 0.5, window_s=5.0, aim_s=5.0)
+    assert late[0]["recovery_s"] == 10.0 and not late[0]["within_aim"]
+    never = slo_recovery([row(t, 5.0) for t in range(60)], faults[:1], 3.0, 0.5, 5.0, 25.0)
+    assert never[0]["recovery_s"] is None and not never[0]["within_aim"]
+    assert startup_seconds(faults, 30.0) == (10.0, "median of 1 worker restart(s)")
+    assert startup_seconds(faults[1:], 30.0) == (30.0, "configured")
