@@ -87,3 +87,43 @@ def test_slo_recovery_is_the_first_window_back_at_95_percent():
     assert never[0]["recovery_s"] is None and not never[0]["within_aim"]
     assert startup_seconds(faults, 30.0) == (10.0, "median of 1 worker restart(s)")
     assert startup_seconds(faults[1:], 30.0) == (30.0, "configured")
+
+
+def test_kube_target_proxy_skips_a_router_that_refuses():
+    """bench/chaos_kube.py's stand-in for kube-proxy (the test cluster has none): each new connection
+    goes to a backend that accepts it, so with one of two routers killed (its port refuses) every
+    request still reaches the other. Real sockets on loopback: one aiohttp server, one closed port."""
+    import threading
+
+    import requests
+    from aiohttp import web
+
+    from tandem.operator.local import free_port
+    sys.path.insert(0, str(ROOT / "bench"))
+    from chaos_kube import ServiceProxy
+
+    alive, dead = free_port(), free_port()
+    started = threading.Event()
+
+    def serve():
+        import asyncio
+        loop = asyncio.new_event_loop()
+        app = web.Application()
+
+        async def ready(_):
+            return web.Response(text="router")
+        app.router.add_get("/ready", ready)
+        runner = web.AppRunner(app)
+        loop.run_until_complete(runner.setup())
+        loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", alive).start())
+        started.set()
+        loop.run_forever()
+    threading.Thread(target=serve, daemon=True).start()
+    assert started.wait(10)
+    proxy = ServiceProxy(lambda: [("127.0.0.1", dead), ("127.0.0.1", alive)])
+    try:
+        for _ in range(4):      # round robin starts at either: each connection lands on the live one
+            with requests.Session() as s:
+                assert s.get(proxy.url + "/ready", timeout=10).text == "router"
+    finally:
+        proxy.stop()

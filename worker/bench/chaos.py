@@ -451,7 +451,7 @@ def soak(cfg: ChaosConfig, target, injector, dataset, schedule, rate: float, cap
     the summary with ``records``. Both targets (the local fleet, bench/chaos_kube.py's cluster) use it."""
     from tandem.worker.bench.runner import LoadShape, run
 
-    log.write(f"[chaos] capacity {capacity:.2f} req/s, load {rate:.2f} req/s, {len(dataset)} requests, "
+    log.write(f"[chaos] capacity {capacity:.2f} req/s, load {rate:.2f} req/s, {len(dataset.requests)} requests, "
               f"{len(schedule)} faults\n")
 
     async def main():
