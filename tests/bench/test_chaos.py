@@ -62,9 +62,10 @@ def test_chaos_soak_fails_only_begun_streams_and_leaks_nothing(tmp_path):
 
 
 def test_slo_recovery_is_the_first_window_back_at_95_percent():
-    """Per fault: the first time from which a window's requests meet the SLO in >= 95% of cases. Rows
-    as requests.jsonl writes them; one request a second, TTFT 5 s (a miss) for the 10 s after a fault
-    at t=20, then 0.2 s; TPOT 0.1 s throughout, except one failed request."""
+    """Per fault: the first time from which the requests that end within a window meet the SLO in >= 95%
+    of cases. Rows as requests.jsonl writes them; one request sent a second, each ending TTFT + 0.9 s
+    later: TTFT 5 s (a miss) for those sent in the 10 s after a fault at t=20, 0.2 s otherwise; TPOT
+    0.1 s throughout; one failed request (no E2E: it counts at its send)."""
     from tandem.worker.bench.chaos import Fault, slo_met, slo_recovery, startup_seconds
 
     def row(t, ttft, cls="ok"):
@@ -78,11 +79,13 @@ def test_slo_recovery_is_the_first_window_back_at_95_percent():
               Fault(2, "kill_prefill", 1050.0, 1050.0, note="skipped: 1 ready prefill worker(s)")]
     out = slo_recovery(rows, faults, 3.0, 0.5, window_s=5.0, aim_s=25.0)
     assert [x["id"] for x in out] == [0, 1]                  # a skipped fault is not measured
-    assert out[0]["recovery_s"] == 10.0 and out[0]["within_aim"] and out[0]["attainment_after"] == 0.0
-    # the failed request at 45 s: windows [41, 46) .. [45, 50) hold it (4/5 = 80%); back from 46 s
-    assert out[1]["recovery_s"] == 0.0                        # [40, 45) is clean
-    late = slo_recovery(rows, faults[:1], 3.0, 0.5, window_s=5.0, aim_s=5.0)
-    assert late[0]["recovery_s"] == 10.0 and not late[0]["within_aim"]
+    # the misses end at 25.9 .. 34.9 s, between hits; the first clean window opens at the next end, 35.1 s
+    assert out[0]["recovery_s"] == 15.1 and out[0]["within_aim"] and out[0]["at_s"] == 20.0
+    assert out[1]["recovery_s"] == 0.0                        # ends 40.1 .. 44.1: all met (the failure ends at 45)
+    wide = slo_recovery(rows, faults[:1], 3.0, 0.5, window_s=10.0, aim_s=5.0)
+    assert wide[0]["attainment_after"] == 0.167              # [20, 30): one hit, five misses
+    # a 10 s window from 35.1 s holds the failure at 45 s (9 of 10, below 95%): clean from 45.1 s
+    assert wide[0]["recovery_s"] == 25.1 and not wide[0]["within_aim"]
     never = slo_recovery([row(t, 5.0) for t in range(60)], faults[:1], 3.0, 0.5, 5.0, 25.0)
     assert never[0]["recovery_s"] is None and not never[0]["within_aim"]
     assert startup_seconds(faults, 30.0) == (10.0, "median of 1 worker restart(s)")

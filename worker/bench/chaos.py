@@ -24,8 +24,8 @@ KV block held (:func:`leaks`).
 
 SLO recovery (:func:`slo_recovery`): a request meets the SLO when it is answered in full with a TTFT and
 a TPOT within the autoscaler's targets (``--ttft``, ``--tpot``); after each fault, the seconds until the
-requests sent within one metric window (the autoscaler's, ``autoscale_window_s``) meet it in 95% of
-cases again, against the aim of one start-up time (the median restart of a killed worker in this run)
+requests that ended within one metric window (the autoscaler's, ``autoscale_window_s``) meet it in
+95% of cases again, against the aim of one start-up time (the median restart of a killed worker in this run)
 plus two metric windows.
 
 The Kubernetes target (the operator pod deleted, the API server stopped) is not built yet.
@@ -264,24 +264,26 @@ def slo_met(row: dict, ttft_s: float, tpot_s: float) -> bool:
 def slo_recovery(records: list[dict], faults: list[Fault], ttft_s: float, tpot_s: float, window_s: float,
                  aim_s: float, goal: float = 0.95, min_requests: int = 3) -> list[dict]:
     """Per fault, the seconds from its injection until SLO attainment is back to ``goal``: the first
-    time ``t`` >= the fault (the fault's instant, then each later request's send time) from which the
-    requests sent within the next ``window_s`` seconds (at least ``min_requests`` of them) meet the SLO
-    (:func:`slo_met`) in at least ``goal`` of cases. None when no such window starts before the load
-    ends (a window must end before the last request was sent). ``aim_s``: the aim to compare with (one
-    start-up time plus two metric windows, issue 29).
+    time ``t`` >= the fault (the fault's instant, then each later request's end) from which the requests
+    that ended (answered in full or failed: sent + E2E) within the next ``window_s`` seconds, at least
+    ``min_requests`` of them, meet the SLO (:func:`slo_met`) in at least ``goal`` of cases, as a
+    monitor counting finished requests over a sliding window sees it: a stream the fault broke counts
+    when it broke, after the fault. None when no such window closes before the last request ended.
+    ``aim_s``: the aim to compare with (one start-up time plus two metric windows, issue 29).
 
-    Returns ``[{"id", "kind", "target", "at_s" (from the first request), "recovery_s", "aim_s",
-    "within_aim", "attainment_after" (the first window's, after the fault)}]``; skipped faults are left
+    Returns ``[{"id", "kind", "target", "at_s" (from the first request's send), "recovery_s", "aim_s",
+    "within_aim", "attainment_after" (the window starting at the fault)}]``; skipped faults are left
     out."""
     import bisect
-    rows = sorted(records, key=lambda r: r["send_unix"])
-    if not rows:
+    if not records:
         return []
-    sends = [r["send_unix"] for r in rows]
+    t0 = min(r["send_unix"] for r in records)
+    rows = sorted(records, key=lambda r: r["send_unix"] + (r.get("e2e") or 0.0))
+    sends = [r["send_unix"] + (r.get("e2e") or 0.0) for r in rows]   # when each request ended
     met = [0]
     for r in rows:
         met.append(met[-1] + slo_met(r, ttft_s, tpot_s))
-    t0, last = sends[0], sends[-1]
+    last = sends[-1]
 
     def attainment(t: float):
         i, j = bisect.bisect_left(sends, t), bisect.bisect_left(sends, t + window_s)
