@@ -34,6 +34,7 @@ import base64
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -65,6 +66,10 @@ WINDOW_S = 10.0
 def _ready(p: dict) -> bool:
     return not p["metadata"].get("deletionTimestamp") and bool((p.get("status") or {}).get("podIP")) and any(
         x.get("type") == "Ready" and x.get("status") == "True" for x in (p.get("status") or {}).get("conditions") or [])
+
+
+def _restarts(p: dict) -> int:
+    return sum(c.get("restartCount", 0) for c in (p.get("status") or {}).get("containerStatuses") or [])
 
 
 class Pods:
@@ -207,8 +212,15 @@ class KubeInjector:
             self.out.write(f"[chaos] {msg}\n")
             self.out.flush()
 
-    def _until_back(self, f: C.Fault, role: str, before: int, timeout: float = 300.0) -> None:
+    def _until_back(self, f: C.Fault, role: str, before: int, restarts: int, timeout: float = 300.0) -> None:
+        """``f.until``: when ``role`` has ``before`` ready pods again, counted from the moment the victim
+        was seen not ready (its Ready condition lags the kill by a probe period and the pod list by a
+        second: without this wait a restart would read as instant)."""
         t_end = time.monotonic() + timeout
+        gone_by = time.monotonic() + 30
+        while time.monotonic() < gone_by and any(
+                p["metadata"]["name"] == f.target and _restarts(p) == restarts for p in self.pods.ready(role)):
+            time.sleep(0.2)
         while time.monotonic() < t_end and len(self.pods.ready(role)) < before:
             time.sleep(0.5)
         f.until = time.time()
@@ -234,7 +246,7 @@ class KubeInjector:
             if p is not None:
                 before = len(self.pods.ready(role))
                 os.kill(self.pods.pid(p), signal.SIGKILL)     # the node agent restarts the container
-                threading.Thread(target=self._until_back, args=(f, role, before), daemon=True).start()
+                threading.Thread(target=self._until_back, args=(f, role, before, _restarts(p)), daemon=True).start()
         elif kind == "stop_worker":
             p = self._victim(f, ("prefill", "decode"))
             if p is not None:
@@ -287,7 +299,7 @@ class KubeInjector:
                 role = p["metadata"]["labels"]["serving.tandem.dev/role"]
                 before = len(self.pods.ready(role))
                 self.c.kubectl("delete", "pod", "-n", NS, p["metadata"]["name"], "--wait=false")
-                threading.Thread(target=self._until_back, args=(f, role, before), daemon=True).start()
+                threading.Thread(target=self._until_back, args=(f, role, before, _restarts(p)), daemon=True).start()
         else:
             raise ValueError(f"unknown fault kind {kind!r}")
         self._log(f"{kind} {f.target or ''} {f.note}")
@@ -320,14 +332,23 @@ def pool_secret(c: Cluster) -> bytes:
 def run_kube_chaos(cfg: C.ChaosConfig, apiserver_down_s: float = 30.0, log=None) -> dict:
     """Bring the cluster, the operator and the pool up, run the soak, stop everything. Returns the
     summary (as :func:`tandem.worker.bench.chaos.soak`), plus ``operator_restarts`` (the operator pods'
-    restartCount at the end: a crash loop while the API server was down shows here)."""
-    from tandem.worker.bench.client import Target
+    restartCount at the end: a crash loop while the API server was down shows here). The cluster's files
+    are removed at the end unless ``TANDEM_KEEP_CLUSTER`` is set."""
     log = log or sys.stderr
     helm = subprocess.run(["bash", str(ROOT / "scripts/cluster/get_helm.sh")], check=True, capture_output=True,
                           text=True).stdout.strip().splitlines()[-1]
     cal, capacity, rate, dataset, schedule = C.plan(cfg)
     workdir = Path(tempfile.mkdtemp(prefix="tandem-chaos-kube-"))
     log.write(f"[chaos] cluster files in {workdir}\n")
+    try:
+        return _run(cfg, apiserver_down_s, log, helm, workdir, capacity, rate, dataset, schedule)
+    finally:
+        if not os.environ.get("TANDEM_KEEP_CLUSTER"):
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _run(cfg, apiserver_down_s, log, helm, workdir, capacity, rate, dataset, schedule) -> dict:
+    from tandem.worker.bench.client import Target
     with Cluster(workdir) as c:
         c.kubectl("apply", "--server-side", "-f", str(ROOT / "crds"))
         c.kubectl("wait", "--for=condition=established", "--timeout=60s", "crd/inferencepools.serving.tandem.dev",
