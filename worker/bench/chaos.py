@@ -311,8 +311,8 @@ def slo_recovery(records: list[dict], faults: list[Fault], ttft_s: float, tpot_s
 
 def startup_seconds(faults: list[Fault], default: float) -> tuple[float, str]:
     """One worker's start-up time for the SLO-recovery aim: the median time a killed worker took to be
-    back (``kill_decode`` / ``kill_prefill``: its role's ready count restored), or ``default`` when no
-    such fault ended. Returns (seconds, where it came from)."""
+    back (``kill_decode`` / ``kill_prefill``: its role's ready count restored; of an even count, the
+    upper middle one), or ``default`` when no such fault ended. Returns (seconds, where it came from)."""
     times = sorted(f.until - f.at for f in faults if f.kind in ("kill_decode", "kill_prefill")
                    and f.until is not None and f.target is not None)
     if not times:
