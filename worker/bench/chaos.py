@@ -28,7 +28,8 @@ requests that ended within one metric window (the autoscaler's, ``autoscale_wind
 95% of cases again, against the aim of one start-up time (the median restart of a killed worker in this run)
 plus two metric windows.
 
-The Kubernetes target (the operator pod deleted, the API server stopped) is not built yet.
+The Kubernetes target (the test cluster, with the operator pod deleted, the API server stopped and a
+worker pod deleted besides these faults) is bench/chaos_kube.py: it reuses :func:`plan` and :func:`soak`.
 """
 from __future__ import annotations
 
