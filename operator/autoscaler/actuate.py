@@ -121,6 +121,7 @@ def decision_record(decision: Decision, snapshot: PoolSnapshot, acted: bool) -> 
                      "signal": d.signal, "reason": d.reason, "limitedBy": d.limited_by,
                      "observed": _num(s.latency), "arrivalsPerSecond": _num(round(s.arrivals_per_s, 4)),
                      "ready": s.ready, "starting": s.starting, "draining": s.draining,
+                     "unresponsive": s.unresponsive,
                      "inputs": {k: _num(v) for k, v in (d.inputs or {}).items()
                                 if isinstance(v, (int, float, str, bool)) or v is None}}
     return out

@@ -18,6 +18,11 @@ Signals (snapshot.py): ``no_data`` when no router answered a fresh scrape, or th
 seen across enough of a window to difference (the first ticks after a start); ``idle`` when the routers
 answered, nothing arrived or finished in the window, no worker holds a request and the router queues
 none; ``ok`` otherwise (the latency may still be None: requests in flight or queued, none finished).
+
+Dead and hung workers: a worker whose last :data:`MISSED_SCRAPES` scrapes failed, and that is ready or
+has answered before, is counted ``unresponsive``, not ready: a SIGSTOPped or wedged process has not
+exited and a pod's Ready condition lags its probe, so the backend still calls it ready. The policy then
+sizes the role without it (and so starts a replacement); it counts again as soon as it answers.
 """
 from __future__ import annotations
 
@@ -37,6 +42,9 @@ from .snapshot import PoolSnapshot, Role, RoleSnapshot
 WorkerState = Literal["ready", "starting", "draining"]
 
 ROUTED = M.ROUTING_DECISIONS + "_total"
+#: consecutive failed scrapes after which a worker that has answered is no longer counted as capacity
+#: (the router likewise takes a worker out of routing after two missed health polls)
+MISSED_SCRAPES = 2
 E2E_COUNT = M.E2E + "_count"
 
 
@@ -87,6 +95,9 @@ class PodsSource:
         self.percentiles = {"prefill": 90.0, "decode": 90.0, **percentiles}
         self.fetch, self.clock = fetch, clock
         self.history: dict[str, collections.deque[Scrape]] = {}
+        #: targets that have answered a scrape at least once (a starting pod that never has is starting,
+        #: one that has and stopped answering is dead or hung)
+        self.answered: set[str] = set()
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="scrape")
 
     def close(self) -> None:
@@ -105,9 +116,12 @@ class PodsSource:
         urls = list(dict.fromkeys(targets.routers + [w.url for w in targets.prefill + targets.decode]))
         for gone in set(self.history) - set(urls):
             del self.history[gone]
+            self.answered.discard(gone)
         for url, s in zip(urls, self._pool.map(self._scrape, urls)):
             h = self.history.setdefault(url, collections.deque())
             h.append(s)
+            if s.ok:
+                self.answered.add(url)
             # keep one scrape older than the window: the base of the next difference
             while len(h) > 2 and h[1].at <= s.at - self.window_s:
                 h.popleft()
@@ -121,6 +135,17 @@ class PodsSource:
         new = ok[-1]
         base = next((s for s in ok if s.at >= new.at - self.window_s and s is not new), None)
         return new, base
+
+    def unresponsive(self, w: Worker) -> bool:
+        """Whether ``w`` is dead or hung: its last :data:`MISSED_SCRAPES` scrapes failed, and it is ready
+        (it answered its readiness check) or has answered a scrape before. A process that is SIGSTOPped,
+        wedged or gone but not yet removed stays "ready" to its backend (a stopped process has not
+        exited; a pod's Ready condition lags its probe), yet serves nothing: it must not be counted as
+        capacity. A draining worker is not capacity anyway."""
+        if w.state == "draining" or (w.state != "ready" and w.url not in self.answered):
+            return False
+        recent = list(self.history.get(w.url, ()))[-MISSED_SCRAPES:]
+        return len(recent) == MISSED_SCRAPES and not any(s.ok for s in recent)
 
     # ---- the snapshot -----------------------------------------------------------------------
     def observe(self, targets: Targets, rolling_out: bool = False) -> PoolSnapshot:
@@ -144,8 +169,9 @@ class PodsSource:
     def _role(self, role: Role, targets: Targets, fresh, span: float, no_data: bool, now: float,
               queued: int) -> RoleSnapshot:
         workers = targets.workers(role)
-        counts = collections.Counter(w.state for w in workers)
-        common = dict(role=role, ready=counts["ready"], starting=counts["starting"], draining=counts["draining"])
+        counts = collections.Counter("unresponsive" if self.unresponsive(w) else w.state for w in workers)
+        common = dict(role=role, ready=counts["ready"], starting=counts["starting"], draining=counts["draining"],
+                      unresponsive=counts["unresponsive"])
         if no_data:
             return RoleSnapshot(signal="no_data", window_s=span, **common)
         if role == "prefill":

@@ -38,6 +38,9 @@ class RoleSnapshot:
         ready: replicas serving.
         starting: replicas created and not yet ready (capacity on the way).
         draining: replicas draining (no new requests; not counted as capacity).
+        unresponsive: replicas ready (or once ready) whose last scrapes all failed: dead or hung
+            (SIGSTOPped, wedged) processes not yet removed. Not counted as capacity, so the policy
+            sizes as if they were gone and replaces them; they count again once they answer.
     """
     role: Role
     signal: Signal = "ok"
@@ -52,6 +55,7 @@ class RoleSnapshot:
     ready: int = 0
     starting: int = 0
     draining: int = 0
+    unresponsive: int = 0
 
     @property
     def replicas(self) -> int:

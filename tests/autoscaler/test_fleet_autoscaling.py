@@ -6,6 +6,8 @@ TPOT breach, drain then stop on the way down, wake from zero), not a speed-up.""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -210,5 +212,53 @@ def test_scale_to_zero_pool_wakes_on_the_first_request():
         assert wake and wake[0]["prefill"]["desired"] >= 1, list(loop.decisions)[:5]   # both roles together
         assert {p.role for p in fleet.workers()} == {"prefill", "decode"}
     finally:
+        loop.stop()
+        fleet.stop(grace=10)
+
+
+@pytest.mark.timeout(240)
+def test_a_hung_decode_worker_is_not_capacity_and_is_replaced():
+    """A SIGSTOPped decode worker has not exited, so the fleet still calls it ready; the autoscaler must
+    not count it as capacity (its scrapes fail): it sizes the role without it and starts a replacement.
+    Once it answers again it counts again (the pool is then one over, held by the scale-down window).
+    A kill -9'd worker is replaced too (the fleet restarts it) and is not counted while it is down.
+    Real processes; no load (the idle signal sizes to minReplicas, so the counts alone decide)."""
+    fleet = _fleet({"spec.prefill": {"replicas": 1, "resources": CPU},
+                    "spec.decode": {"resources": CPU, "autoscaling": {
+                        "enabled": True, "minReplicas": 1, "maxReplicas": 2,
+                        "target": {"metric": "tpot", "percentile": 90, "seconds": 1.0},
+                        "behavior": {"scaleUp": {"stabilizationWindowSeconds": 0, "maxStep": 1, "periodSeconds": 1},
+                                     "scaleDown": {"stabilizationWindowSeconds": 600}}}}}, "ashung")
+    loop = FleetAutoscaler(fleet, window_s=4, interval_s=1, startup_s=10)
+    hung = fleet.workers("decode")[0]
+    try:
+        loop.start()
+        assert wait_for(lambda: any(d["decode"]["signal"] == "idle" for d in loop.decisions), timeout=60), \
+            list(loop.decisions)
+        assert [p.name for p in fleet.workers("decode")] == [hung.name]
+        os.kill(hung.popen.pid, signal.SIGSTOP)
+        new = wait_for(lambda: [p for p in fleet.workers("decode") if p is not hung], timeout=60, interval=0.5)
+        assert new, list(loop.decisions)[-5:]            # failed before the fix: the hung one counted as ready
+        seen = [d["decode"] for d in loop.decisions if d["decode"].get("unresponsive")]
+        assert seen and seen[0]["ready"] == 0 and seen[0]["current"] == 0 and seen[0]["desired"] == 1, seen
+        replacement = new[0]
+        assert wait_for(lambda: replacement.state == "ready", timeout=150, interval=0.5)
+        assert chat(fleet.endpoint, "Say hi.", max_tokens=4)[1]["usage"]["completion_tokens"] > 0
+        # it answers again: capacity again, and nothing more is started
+        os.kill(hung.popen.pid, signal.SIGCONT)
+        n = len(loop.decisions)
+        assert wait_for(lambda: any(d["decode"]["ready"] == 2 and not d["decode"]["unresponsive"]
+                                    for d in list(loop.decisions)[n:]), timeout=30), list(loop.decisions)[-3:]
+        assert len(fleet.workers("decode")) == 2
+        # dead: kill -9 the replacement; the fleet restarts it, and no decision counts it until it is back
+        os.kill(replacement.popen.pid, signal.SIGKILL)
+        n = len(loop.decisions)
+        assert wait_for(lambda: replacement.state == "restarting", timeout=10, interval=0.1)
+        assert wait_for(lambda: replacement.state == "ready", timeout=150, interval=0.5)
+        down = [d["decode"] for d in list(loop.decisions)[n:]]
+        assert any(d["ready"] == 1 for d in down), down          # the other one alone, while it was down
+        assert len(fleet.workers("decode")) == 2                 # replaced in place, nothing extra started
+    finally:
+        os.kill(hung.popen.pid, signal.SIGCONT)
         loop.stop()
         fleet.stop(grace=10)

@@ -153,3 +153,36 @@ def test_a_router_scrape_without_router_series_is_no_data():
     clock.t += 10
     regs["r"] = worker         # answers, but not as a router: nothing to read the pool's latency from
     assert src.observe(t).decode.signal == "no_data"
+
+
+def test_a_worker_that_stops_answering_is_not_capacity():
+    """Two failed scrapes in a row make a ready worker (or a not-ready one that has answered before:
+    a pod whose probe turned it not-ready) ``unresponsive``, not ready or starting; one failure is
+    not enough (a slow scrape on a loaded machine), a pod that never answered is still starting, and
+    a worker counts again at its first answer. (A dead or SIGSTOPped process, tests/autoscaler/
+    test_fleet_autoscaling.py has the real one.)"""
+    router, prefill, decode = _fleet()
+    regs = {"r": router, "p": prefill, "d": decode, "d2": Metrics("decode", "p")}
+    clock = Clock()
+    src = _source(regs, clock)
+    t = Targets(routers=["r"], prefill=[Worker("p")],
+                decode=[Worker("d"), Worker("d2", "starting"), Worker("d3", "starting")])
+    src.observe(t)
+    clock.t += 5
+    regs["d"] = None                         # hung: its scrape times out
+    snap = src.observe(t)
+    assert (snap.decode.ready, snap.decode.starting, snap.decode.unresponsive) == (1, 2, 0)   # once: not yet
+    clock.t += 5
+    regs["d2"] = None                        # answered once, then its probe failed and so did its scrapes
+    snap = src.observe(t)
+    assert (snap.decode.ready, snap.decode.starting, snap.decode.unresponsive) == (0, 2, 1)
+    assert snap.decode.replicas == 2
+    clock.t += 5
+    snap = src.observe(t)
+    assert (snap.decode.ready, snap.decode.starting, snap.decode.unresponsive) == (0, 1, 2)
+    assert snap.decode.signal == "idle"      # the router answers: its signal is not no_data
+    clock.t += 5
+    regs["d"] = decode                       # SIGCONT: it answers again
+    snap = src.observe(t)
+    assert (snap.decode.ready, snap.decode.starting, snap.decode.unresponsive) == (1, 1, 1)
+    assert (snap.prefill.ready, snap.prefill.unresponsive) == (1, 0)

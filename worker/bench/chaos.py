@@ -22,7 +22,14 @@ with one router); ``hung`` (its deadline passed without an answer or an error); 
 else: each one is a bug). At the end every worker must be idle: no running or waiting sequence and no
 KV block held (:func:`leaks`).
 
-The Kubernetes target (the operator pod deleted, the API server stopped) is not built yet.
+SLO recovery (:func:`slo_recovery`): a request meets the SLO when it is answered in full with a TTFT and
+a TPOT within the autoscaler's targets (``--ttft``, ``--tpot``); after each fault, the seconds until the
+requests that ended within one metric window (the autoscaler's, ``autoscale_window_s``) meet it in
+95% of cases again, against the aim of one start-up time (the median restart of a killed worker in this run)
+plus two metric windows.
+
+The Kubernetes target (the test cluster, with the operator pod deleted, the API server stopped and a
+worker pod deleted besides these faults) is bench/chaos_kube.py: it reuses :func:`plan` and :func:`soak`.
 """
 from __future__ import annotations
 
@@ -245,33 +252,103 @@ def classify(rec, faults: list[Fault]) -> str:
     return "failed"
 
 
-def leaks(fleet) -> list[dict]:
-    """Each live worker's idle state: ``{"name", "num_requests", "in_flight", "kv_cache_usage", "leak"}``
-    (``leak``: a sequence, a request or a KV block still held; None when the worker does not answer)."""
+def slo_met(row: dict, ttft_s: float, tpot_s: float) -> bool:
+    """Whether one request (a ``requests.jsonl`` row) met the SLO: answered in full, TTFT <= ``ttft_s``
+    and TPOT ((E2E - TTFT) / (tokens - 1)) <= ``tpot_s`` (seconds). A failed request misses it."""
+    if row["class"] != "ok" or row.get("ttft") is None or row.get("e2e") is None:
+        return False
+    n = row.get("completion_tokens") or 0
+    tpot = (row["e2e"] - row["ttft"]) / (n - 1) if n > 1 else 0.0
+    return row["ttft"] <= ttft_s and tpot <= tpot_s
+
+
+def slo_recovery(records: list[dict], faults: list[Fault], ttft_s: float, tpot_s: float, window_s: float,
+                 aim_s: float, goal: float = 0.95, min_requests: int = 3) -> list[dict]:
+    """Per fault, the seconds from its injection until SLO attainment is back to ``goal``: the first
+    time ``t`` >= the fault (the fault's instant, then each later request's end) from which the requests
+    that ended (answered in full or failed: sent + E2E) within the next ``window_s`` seconds, at least
+    ``min_requests`` of them, meet the SLO (:func:`slo_met`) in at least ``goal`` of cases, as a
+    monitor counting finished requests over a sliding window sees it: a stream the fault broke counts
+    when it broke, after the fault. None when no such window closes before the last request ended.
+    ``aim_s``: the aim to compare with (one start-up time plus two metric windows, issue 29).
+
+    Returns ``[{"id", "kind", "target", "at_s" (from the first request's send), "recovery_s", "aim_s",
+    "within_aim", "attainment_after" (the window starting at the fault)}]``; skipped faults are left
+    out."""
+    import bisect
+    if not records:
+        return []
+    t0 = min(r["send_unix"] for r in records)
+    rows = sorted(records, key=lambda r: r["send_unix"] + (r.get("e2e") or 0.0))
+    sends = [r["send_unix"] + (r.get("e2e") or 0.0) for r in rows]   # when each request ended
+    met = [0]
+    for r in rows:
+        met.append(met[-1] + slo_met(r, ttft_s, tpot_s))
+    last = sends[-1]
+
+    def attainment(t: float):
+        i, j = bisect.bisect_left(sends, t), bisect.bisect_left(sends, t + window_s)
+        return (met[j] - met[i]) / (j - i) if j - i >= min_requests else None
+
     out = []
-    for p in fleet.workers():
-        if p.popen.poll() is not None:
+    for f in faults:
+        if f.note.startswith(("skipped", "failed")):
             continue
-        try:
-            with urllib.request.urlopen(p.url + "/health", timeout=5) as r:
-                h = json.loads(r.read())
-        except (OSError, ValueError):
-            out.append({"name": p.name, "leak": None})
-            continue
-        row = {"name": p.name, "num_requests": h.get("num_requests"), "in_flight": h.get("in_flight"),
-               "kv_cache_usage": h.get("kv_cache_usage")}
-        row["leak"] = bool(row["num_requests"] or row["in_flight"] or row["kv_cache_usage"])
-        out.append(row)
+        first = attainment(f.at)
+        recovery = None
+        for t in [f.at] + sends[bisect.bisect_right(sends, f.at):]:
+            if t + window_s > last:
+                break
+            a = attainment(t)
+            if a is not None and a >= goal:
+                recovery = t - f.at
+                break
+        out.append({"id": f.id, "kind": f.kind, "target": f.target, "at_s": round(f.at - t0, 1),
+                    "recovery_s": None if recovery is None else round(recovery, 1), "aim_s": round(aim_s, 1),
+                    "within_aim": recovery is not None and recovery <= aim_s,
+                    "attainment_after": None if first is None else round(first, 3)})
     return out
 
 
-def wait_idle(fleet, timeout: float = 90.0) -> list[dict]:
-    """:func:`leaks` once no worker holds anything, or after ``timeout`` seconds (what is left then)."""
+def startup_seconds(faults: list[Fault], default: float) -> tuple[float, str]:
+    """One worker's start-up time for the SLO-recovery aim: the median time a killed worker took to be
+    back (``kill_decode`` / ``kill_prefill``: its role's ready count restored; of an even count, the
+    upper middle one), or ``default`` when no such fault ended. Returns (seconds, where it came from)."""
+    times = sorted(f.until - f.at for f in faults if f.kind in ("kill_decode", "kill_prefill")
+                   and f.until is not None and f.target is not None)
+    if not times:
+        return default, "configured"
+    return times[len(times) // 2], f"median of {len(times)} worker restart(s)"
+
+
+def idle_row(name: str, url: str) -> dict:
+    """One worker's idle state from its ``/health``: ``{"name", "num_requests", "in_flight",
+    "kv_cache_usage", "leak"}`` (``leak``: a sequence, a request or a KV block still held; None when the
+    worker does not answer)."""
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=5) as r:
+            h = json.loads(r.read())
+    except (OSError, ValueError):
+        return {"name": name, "leak": None}
+    row = {"name": name, "num_requests": h.get("num_requests"), "in_flight": h.get("in_flight"),
+           "kv_cache_usage": h.get("kv_cache_usage")}
+    row["leak"] = bool(row["num_requests"] or row["in_flight"] or row["kv_cache_usage"])
+    return row
+
+
+def leaks(fleet) -> list[dict]:
+    """:func:`idle_row` of each live worker of a local fleet."""
+    return [idle_row(p.name, p.url) for p in fleet.workers() if p.popen.poll() is None]
+
+
+def wait_idle(rows, timeout: float = 90.0) -> list[dict]:
+    """``rows()`` (:func:`idle_row` per worker) once no worker holds anything, or after ``timeout``
+    seconds (what is left then)."""
     t_end = time.monotonic() + timeout
     while True:
-        rows = leaks(fleet)
-        if all(r["leak"] is False for r in rows) or time.monotonic() > t_end:
-            return rows
+        out = rows()
+        if all(r["leak"] is False for r in out) or time.monotonic() > t_end:
+            return out
         time.sleep(1.0)
 
 
@@ -296,6 +373,8 @@ class ChaosConfig:
     autoscale_window_s: float = 20.0
     autoscale_interval_s: float = 2.0
     output_dir: str | None = None
+    #: the start-up time the autoscaler forecasts over, and the SLO-recovery aim's when no restart was timed
+    startup_s: float = 30.0
 
 
 def summarize(records: list[dict], faults: list[Fault], idle: list[dict], cfg: ChaosConfig, rate: float,
@@ -307,6 +386,13 @@ def summarize(records: list[dict], faults: list[Fault], idle: list[dict], cfg: C
     for f in faults:
         if not f.note.startswith(("skipped", "failed")):
             kinds[f.kind] = kinds.get(f.kind, 0) + 1
+    startup, startup_from = startup_seconds(faults, cfg.startup_s)
+    aim = startup + 2 * cfg.autoscale_window_s
+    recovery = slo_recovery(records, faults, cfg.ttft_s, cfg.tpot_s, cfg.autoscale_window_s, aim)
+    first_fault = min((f.at for f in faults), default=None)
+    before = [r for r in records if first_fault is None or r["send_unix"] < first_fault]
+    attain = (lambda rows: round(sum(slo_met(r, cfg.ttft_s, cfg.tpot_s) for r in rows) / len(rows), 3)
+              if rows else None)
     return {
         "duration_s": cfg.duration_s, "elapsed_s": round(elapsed, 1), "seed": cfg.seed,
         "capacity_rps": round(capacity, 3), "rate_rps": round(rate, 3), "load_fraction": cfg.load_fraction,
@@ -317,6 +403,13 @@ def summarize(records: list[dict], faults: list[Fault], idle: list[dict], cfg: C
         "faults": kinds, "faults_skipped": sum(1 for f in faults if f.note.startswith(("skipped", "failed"))),
         "leaked_workers": [r["name"] for r in idle if r["leak"] is not False],
         "idle": idle,
+        "slo": {"ttft_s": cfg.ttft_s, "tpot_s": cfg.tpot_s, "window_s": cfg.autoscale_window_s, "goal": 0.95,
+                "attainment": attain(records), "attainment_before_faults": attain(before),
+                "startup_s": round(startup, 1), "startup_from": startup_from, "aim_s": round(aim, 1),
+                "recovered_within_aim": sum(1 for x in recovery if x["within_aim"]),
+                "recovered_late": sum(1 for x in recovery if x["recovery_s"] is not None and not x["within_aim"]),
+                "not_recovered": sum(1 for x in recovery if x["recovery_s"] is None)},
+        "slo_recovery": recovery,
     }
 
 
@@ -336,83 +429,102 @@ async def _faults(injector: Injector, schedule, t0: float, done: asyncio.Event) 
             injector.faults[-1].until = injector.faults[-1].until or time.time()
 
 
+def plan(cfg: ChaosConfig, replicas: int | None = None):
+    """The load and the faults of a soak: ``(calibration, capacity req/s, rate req/s, dataset, schedule)``.
+    The capacity is the calibration's for ``replicas`` (default ``min_replicas``) of each role."""
+    from tandem.worker.api.calibration import Calibration
+    from tandem.worker.bench.datasets import random_dataset
+    from tandem.worker.bench.tokens import DEFAULT_TOKENIZER, PromptMaker, load_tokenizer
+
+    cal = Calibration.load(cfg.calibration)
+    n_rep = replicas or cfg.min_replicas
+    capacity = capacity_rps(cal, n_rep, n_rep, cfg.input_len, cfg.output_len, cfg.tpot_s)
+    rate = cfg.load_fraction * capacity
+    n = max(1, round(rate * cfg.duration_s))
+    dataset = random_dataset(PromptMaker(load_tokenizer(DEFAULT_TOKENIZER)), n, cfg.input_len, cfg.output_len,
+                             "fixed", 0.0, cfg.seed)
+    return cal, capacity, rate, dataset, fault_schedule(cfg.seed, cfg.duration_s, cfg.fault_every_s, cfg.kinds)
+
+
+def soak(cfg: ChaosConfig, target, injector, dataset, schedule, rate: float, capacity: float, idle, log) -> dict:
+    """Run the load against ``target`` (:class:`tandem.worker.bench.client.Target`) while ``injector``
+    (``inject(kind)``, ``settled()``, ``note_names()``, ``names``, ``faults``) injects ``schedule``; wait
+    for the faults' effects to end, then for ``idle()`` (:func:`leaks`' rows once the workers are idle,
+    or what is left); write ``requests.jsonl`` and ``summary.json`` under ``cfg.output_dir``. Returns
+    the summary with ``records``. Both targets (the local fleet, bench/chaos_kube.py's cluster) use it."""
+    from tandem.worker.bench.runner import LoadShape, run
+
+    log.write(f"[chaos] capacity {capacity:.2f} req/s, load {rate:.2f} req/s, {len(dataset.requests)} requests, "
+              f"{len(schedule)} faults\n")
+
+    async def main():
+        done = asyncio.Event()
+        t0 = time.monotonic()
+        task = asyncio.create_task(_faults(injector, schedule, t0, done))
+        try:
+            result = await run(target, dataset, LoadShape("poisson", rate, seed=cfg.seed))
+        finally:
+            done.set()
+        await task
+        return result
+    t_start = time.monotonic()
+    result = asyncio.run(main())
+    # faults whose effect outlasts the load (a stop, a replacement starting) end before the check
+    t_end = time.monotonic() + cfg.stop_s + 120
+    while not injector.settled() and time.monotonic() < t_end:
+        time.sleep(0.5)
+    rows = idle()
+    elapsed = time.monotonic() - t_start
+    injector.note_names()
+    records = []
+    for rec in result.records:
+        row = {"id": rec.id, "send_unix": round(rec.send_unix, 3), "ttft": rec.ttft, "e2e": rec.e2e,
+               "completion_tokens": rec.completion_tokens, "status": rec.status, "error_kind": rec.error_kind,
+               "error": rec.error, "resends": rec.resends,
+               "decode": injector.names.get(rec.served_by.get("X-Tandem-Decode-Worker", ""),
+                                            rec.served_by.get("X-Tandem-Decode-Worker")),
+               "prefill": injector.names.get(rec.served_by.get("X-Tandem-Prefill-Worker", ""),
+                                             rec.served_by.get("X-Tandem-Prefill-Worker")),
+               "faults": [f"{f.id}:{f.kind}" for f in injector.faults
+                          if f.active(rec.send_unix, rec.send_unix + (rec.e2e or 0.0))],
+               "class": classify(rec, injector.faults)}
+        records.append(row)
+    summary = summarize(records, injector.faults, rows, cfg, rate, capacity, elapsed)
+    summary["fault_log"] = [asdict(f) for f in injector.faults]
+    if cfg.output_dir:
+        out = Path(cfg.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        with open(out / "requests.jsonl", "w") as fh:
+            for row in records:
+                fh.write(json.dumps(row) + "\n")
+        (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    summary["records"] = records
+    return summary
+
+
 def run_chaos(cfg: ChaosConfig, log=None) -> dict:
     """Start the fleet, run the load and the faults, check for leaks, stop the fleet. Returns the
     summary (``records``: one dict per request, as written to ``requests.jsonl``)."""
     from tandem.operator.autoscaler.fleet_loop import FleetAutoscaler
     from tandem.operator.local import LocalFleet
-    from tandem.worker.api.calibration import Calibration
     from tandem.worker.bench.client import Target
-    from tandem.worker.bench.datasets import random_dataset
-    from tandem.worker.bench.runner import LoadShape, run
-    from tandem.worker.bench.tokens import DEFAULT_TOKENIZER, PromptMaker, load_tokenizer
 
     log = log or sys.stderr
-    cal = Calibration.load(cfg.calibration)
+    cal, capacity, rate, dataset, schedule = plan(cfg)
     manifest = chaos_manifest(cfg.manifest, cfg.min_replicas, cfg.max_replicas, cfg.ttft_s, cfg.tpot_s)
-    capacity = capacity_rps(cal, cfg.min_replicas, cfg.min_replicas, cfg.input_len, cfg.output_len, cfg.tpot_s)
-    rate = cfg.load_fraction * capacity
-    n = max(1, round(rate * cfg.duration_s))
-    dataset = random_dataset(PromptMaker(load_tokenizer(DEFAULT_TOKENIZER)), n, cfg.input_len, cfg.output_len,
-                             "fixed", 0.0, cfg.seed)
-    schedule = fault_schedule(cfg.seed, cfg.duration_s, cfg.fault_every_s, cfg.kinds)
     fleet = LocalFleet(str(manifest), router_port=0, log_stream=log)
     loop = None
     try:
         fleet.start(timeout=300)
         loop = FleetAutoscaler(fleet, window_s=cfg.autoscale_window_s, interval_s=cfg.autoscale_interval_s,
-                               startup_s=30, calibration=cal)
+                               startup_s=cfg.startup_s, calibration=cal)
         loop.start()
         injector = Injector(fleet, cfg.seed, cfg.stop_s, cfg.cut_s, out=log)
         target = Target(fleet.endpoint, fleet.pool.spec.model.name, "completions", timeout=cfg.deadline_s,
                         headers=lambda: fleet.worker_headers, resend_s=cfg.deadline_s,
                         api_key=fleet.api_keys[0] if fleet.api_keys else None)
-        log.write(f"[chaos] capacity {capacity:.2f} req/s, load {rate:.2f} req/s, {n} requests, "
-                  f"{len(schedule)} faults\n")
-
-        async def main():
-            done = asyncio.Event()
-            t0 = time.monotonic()
-            task = asyncio.create_task(_faults(injector, schedule, t0, done))
-            try:
-                result = await run(target, dataset, LoadShape("poisson", rate, seed=cfg.seed))
-            finally:
-                done.set()
-            await task
-            return result
-        t_start = time.monotonic()
-        result = asyncio.run(main())
-        # faults whose effect outlasts the load (a stop, a replacement starting) end before the check
-        t_end = time.monotonic() + cfg.stop_s + 120
-        while not injector.settled() and time.monotonic() < t_end:
-            time.sleep(0.5)
-        idle = wait_idle(fleet)
-        elapsed = time.monotonic() - t_start
-        injector.note_names()
-        records = []
-        for rec in result.records:
-            row = {"id": rec.id, "send_unix": round(rec.send_unix, 3), "ttft": rec.ttft, "e2e": rec.e2e,
-                   "completion_tokens": rec.completion_tokens, "status": rec.status, "error_kind": rec.error_kind,
-                   "error": rec.error, "resends": rec.resends,
-                   "decode": injector.names.get(rec.served_by.get("X-Tandem-Decode-Worker", ""),
-                                                rec.served_by.get("X-Tandem-Decode-Worker")),
-                   "prefill": injector.names.get(rec.served_by.get("X-Tandem-Prefill-Worker", ""),
-                                                 rec.served_by.get("X-Tandem-Prefill-Worker")),
-                   "faults": [f"{f.id}:{f.kind}" for f in injector.faults
-                              if f.active(rec.send_unix, rec.send_unix + (rec.e2e or 0.0))],
-                   "class": classify(rec, injector.faults)}
-            records.append(row)
-        summary = summarize(records, injector.faults, idle, cfg, rate, capacity, elapsed)
-        summary["fault_log"] = [asdict(f) for f in injector.faults]
-        if cfg.output_dir:
-            out = Path(cfg.output_dir)
-            out.mkdir(parents=True, exist_ok=True)
-            with open(out / "requests.jsonl", "w") as fh:
-                for row in records:
-                    fh.write(json.dumps(row) + "\n")
-            (out / "summary.json").write_text(json.dumps(summary, indent=1))
-        summary["records"] = records
-        return summary
+        return soak(cfg, target, injector, dataset, schedule, rate, capacity,
+                    lambda: wait_idle(lambda: leaks(fleet)), log)
     finally:
         if loop is not None:
             loop.stop()
@@ -431,36 +543,74 @@ def table(summary: dict) -> str:
              ("sent again by the client", summary["resent_by_client"]),
              ("workers holding sequences or blocks at the end (aim none)", ", ".join(summary["leaked_workers"])
               or "none")]
-    return "\n".join(["| | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows])
+    slo = summary.get("slo")
+    if slo:
+        pct = (lambda x: "n/a" if x is None else f"{x:.0%}")
+        rows += [("SLO (p90 targets, per request)", f"TTFT <= {slo['ttft_s']} s and TPOT <= {slo['tpot_s']} s"),
+                 ("SLO attainment: whole run / before the first fault",
+                  f"{pct(slo['attainment'])} / {pct(slo['attainment_before_faults'])}"),
+                 ("SLO recovery aim (start-up + 2 metric windows)",
+                  f"{slo['aim_s']} s ({slo['startup_s']} s, {slo['startup_from']}; windows of {slo['window_s']} s)"),
+                 (f"faults after which attainment was back to >= {slo['goal']:.0%}: within the aim / later / "
+                  "not before the load ended",
+                  f"{slo['recovered_within_aim']} / {slo['recovered_late']} / {slo['not_recovered']}")]
+    out = "\n".join(["| | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows])
+    per = summary.get("slo_recovery")
+    if per:
+        out += "\n\n" + "\n".join(
+            ["| fault | kind | target | at (s) | attainment, first window after | recovery to >= 95% (s) | aim (s) |",
+             "|---|---|---|---|---|---|---|"] +
+            [f"| {x['id']} | {x['kind']} | {x['target'] or ''} | {x['at_s']} | "
+             f"{'n/a' if x['attainment_after'] is None else format(x['attainment_after'], '.0%')} | "
+             f"{'not recovered' if x['recovery_s'] is None else x['recovery_s']} | {x['aim_s']} |" for x in per])
+    return out
+
+
+def config_from_args(args, kinds_allowed=FAULT_KINDS, **extra) -> ChaosConfig | None:
+    """The :class:`ChaosConfig` of parsed arguments (:func:`add_chaos_args`); None, with the error
+    printed, when ``--faults`` names a kind outside ``kinds_allowed``."""
+    kinds = tuple(k.strip() for k in args.faults.split(",") if k.strip())
+    bad = [k for k in kinds if k not in kinds_allowed]
+    if bad or not kinds:
+        print(f"error: --faults: unknown kind(s) {bad}; choose from {', '.join(kinds_allowed)}", file=sys.stderr)
+        return None
+    return ChaosConfig(args.manifest, args.calibration, args.duration, args.fault_every, args.load_fraction,
+                       args.stop_seconds, args.cut_seconds, args.input_len, args.output_len, args.deadline, args.seed,
+                       kinds, args.min_replicas, args.max_replicas, tpot_s=args.tpot, ttft_s=args.ttft,
+                       output_dir=args.output_dir, **extra)
+
+
+def report(s: dict, as_json: bool) -> int:
+    """Print the summary's tables (and its JSON); the exit code: 1 on an avoidable failure, a hung
+    request or a leak."""
+    s = {k: v for k, v in s.items() if k != "records"}
+    print(table(s))
+    if as_json:
+        print(json.dumps(s, indent=1))
+    return 0 if s["failed_other"] == 0 and s["hung"] == 0 and not s["leaked_workers"] else 1
 
 
 def _chaos(args) -> int:
-    kinds = tuple(k.strip() for k in args.faults.split(",") if k.strip())
-    bad = [k for k in kinds if k not in FAULT_KINDS]
-    if bad or not kinds:
-        print(f"error: --faults: unknown kind(s) {bad}; choose from {', '.join(FAULT_KINDS)}", file=sys.stderr)
-        return 2
-    cfg = ChaosConfig(args.manifest, args.calibration, args.duration, args.fault_every, args.load_fraction,
-                      args.stop_seconds, args.cut_seconds, args.input_len, args.output_len, args.deadline, args.seed,
-                      kinds, args.min_replicas, args.max_replicas, output_dir=args.output_dir)
-    s = run_chaos(cfg)
-    s.pop("records")
-    print(table(s))
-    if args.json:
-        print(json.dumps(s, indent=1))
-    return 0 if s["failed_other"] == 0 and s["hung"] == 0 and not s["leaked_workers"] else 1
+    cfg = config_from_args(args)
+    return 2 if cfg is None else report(run_chaos(cfg), args.json)
 
 
 def add_chaos_command(sub) -> None:
     """Register ``tandem bench chaos``."""
     c = sub.add_parser("chaos", help="a soak of a local fleet under load and injected faults (kill -9, "
                        "SIGSTOP, KV connections cut); exit 1 on an avoidable failure, a hung request or a leak")
+    add_chaos_args(c)
+    c.set_defaults(func=_chaos)
+
+
+def add_chaos_args(c, kinds=FAULT_KINDS) -> None:
+    """The soak's arguments (``tandem bench chaos``, bench/chaos_kube.py)."""
     c.add_argument("manifest", help="an InferencePool manifest (both roles are autoscaled from --min-replicas)")
     c.add_argument("--calibration", default="bench/calibrations/smollm2-cpu.yaml",
                    help="sizes the load: --load-fraction of the capacity it predicts")
     c.add_argument("--duration", type=float, default=300.0, help="seconds of load")
     c.add_argument("--fault-every", type=float, default=30.0, help="seconds between faults")
-    c.add_argument("--faults", default=",".join(FAULT_KINDS), help="the kinds to draw from")
+    c.add_argument("--faults", default=",".join(kinds), help="the kinds to draw from")
     c.add_argument("--load-fraction", type=float, default=0.3)
     c.add_argument("--stop-seconds", type=float, default=20.0, help="how long stop_worker keeps a worker stopped")
     c.add_argument("--cut-seconds", type=float, default=3.0, help="how long cut_kv cuts KV connections")
@@ -469,7 +619,9 @@ def add_chaos_command(sub) -> None:
     c.add_argument("--deadline", type=float, default=120.0, help="seconds a request may take (then: hung)")
     c.add_argument("--min-replicas", type=int, default=2)
     c.add_argument("--max-replicas", type=int, default=3)
+    c.add_argument("--ttft", type=float, default=3.0,
+                   help="prefill's p90 TTFT target (s): the autoscaler's, and the SLO recovery is measured against")
+    c.add_argument("--tpot", type=float, default=0.5, help="decode's p90 TPOT target (s), likewise")
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--output-dir", default=None, help="requests.jsonl and summary.json")
     c.add_argument("--json", action="store_true", help="also print the JSON summary")
-    c.set_defaults(func=_chaos)
