@@ -16,11 +16,18 @@ Signals: ``no_data`` when Prometheus does not answer, or holds no current router
 (a failed or stale scrape leaves the instant vector empty: Prometheus' staleness handling); ``idle``
 and ``ok`` as in the pods source. Replica counts (ready, starting, draining) come from the backend's
 targets, as Prometheus does not know which pod is draining.
+
+Dead and hung workers, as in the pods source: a worker whose target Prometheus failed to scrape
+(``up{instance="host:port"} == 0``, the series every scrape writes), and that is ready or has been
+scraped before, is counted ``unresponsive`` and not as capacity; it counts again once ``up`` is 1. The
+``instance`` label is the scraped address, which is the worker's own (``Worker.url``) in the pods'
+and file-based discovery that tandem's chart and tests use.
 """
 from __future__ import annotations
 
 import json
 import math
+import re
 import time
 import urllib.parse
 import urllib.request
@@ -28,7 +35,7 @@ from typing import Callable, Optional
 
 from tandem.worker.api import metrics as M
 
-from .pods_source import Targets
+from .pods_source import Targets, Worker
 from .snapshot import PoolSnapshot, Role, RoleSnapshot
 
 
@@ -55,6 +62,7 @@ class PrometheusSource:
         self.percentiles = {"prefill": 90.0, "decode": 90.0, **percentiles}
         self.overrides = {"ttft": getattr(queries, "ttft", None), "tpot": getattr(queries, "tpot", None)}
         self.timeout_s, self.clock = timeout_s, clock
+        self.answered: set[str] = set()   # instances Prometheus has scraped with success
 
     def close(self) -> None:
         pass
@@ -108,24 +116,45 @@ class PrometheusSource:
     # ---- the snapshot -----------------------------------------------------------------------
     def observe(self, targets: Targets, rolling_out: bool = False) -> PoolSnapshot:
         now = self.clock()
+        down: set[str] = set()
         try:
+            down = self._down(targets, now)
             present = self._scalar(f"count({M.ROUTING_DECISIONS}_total{self._sel('router')})", now)
-            snap = None if not present else self._snapshot(targets, rolling_out, now)
+            snap = None if not present else self._snapshot(targets, rolling_out, now, down)
         except PrometheusError:
             snap = None
         if snap is None:
-            roles = {r: self._counts(r, targets, signal="no_data") for r in ("prefill", "decode")}
+            roles = {r: self._counts(r, targets, down, signal="no_data") for r in ("prefill", "decode")}
             return PoolSnapshot(at=now, prefill=roles["prefill"], decode=roles["decode"], rolling_out=rolling_out)
         return snap
 
     @staticmethod
-    def _counts(role: Role, targets: Targets, **kw) -> RoleSnapshot:
-        ws = targets.workers(role)
-        return RoleSnapshot(role=role, ready=sum(w.state == "ready" for w in ws),
-                            starting=sum(w.state == "starting" for w in ws),
-                            draining=sum(w.state == "draining" for w in ws), **kw)
+    def instance(w: Worker) -> str:
+        """The ``instance`` label Prometheus gives a worker's target: its ``host:port``."""
+        return w.url.split("://", 1)[-1].rstrip("/")
 
-    def _snapshot(self, targets: Targets, rolling_out: bool, now: float) -> PoolSnapshot:
+    def _down(self, targets: Targets, now: float) -> set[str]:
+        """Instances of the workers whose last scrape failed (``up == 0``) and that are ready or were
+        scraped before: dead or hung. Raises PrometheusError."""
+        workers = targets.workers("prefill") + targets.workers("decode")
+        if not workers:
+            return set()
+        # a raw (backquoted) PromQL string: the regex's escaped dots pass as they are
+        names = "|".join(re.escape(self.instance(w)) for w in workers)
+        up = {labels.get("instance"): v for labels, v in self.query(f"up{{instance=~`{names}`}}", now)}
+        self.answered |= {i for i, v in up.items() if v == 1}
+        return {self.instance(w) for w in workers
+                if up.get(self.instance(w)) == 0 and w.state != "draining"
+                and (w.state == "ready" or self.instance(w) in self.answered)}
+
+    def _counts(self, role: Role, targets: Targets, down: set[str], **kw) -> RoleSnapshot:
+        ws = targets.workers(role)
+        gone = [w for w in ws if self.instance(w) in down]
+        return RoleSnapshot(role=role, ready=sum(w.state == "ready" and w not in gone for w in ws),
+                            starting=sum(w.state == "starting" and w not in gone for w in ws),
+                            draining=sum(w.state == "draining" for w in ws), unresponsive=len(gone), **kw)
+
+    def _snapshot(self, targets: Targets, rolling_out: bool, now: float, down: set[str]) -> PoolSnapshot:
         w = f"{int(round(self.window_s))}s"
         r = self._sel("router")
         queued = int(self._scalar(f"sum({M.ROUTER_QUEUED}{r})", now) or 0)
@@ -142,7 +171,7 @@ class PrometheusSource:
             latency = self._scalar(self.latency_query(role), now)
             idle = arrivals == 0 and finished == 0 and running == 0 and waiting == 0 and queued == 0
             roles[role] = self._counts(
-                role, targets, signal="idle" if idle else "ok", window_s=self.window_s, arrivals_per_s=arrivals,
+                role, targets, down, signal="idle" if idle else "ok", window_s=self.window_s, arrivals_per_s=arrivals,
                 prompt_tokens_per_s=demand if role == "prefill" else 0.0,
                 output_tokens_per_s=demand if role == "decode" else 0.0,
                 running=running, waiting=waiting, kv_usage=kv,

@@ -216,12 +216,14 @@ def test_scale_to_zero_pool_wakes_on_the_first_request():
         fleet.stop(grace=10)
 
 
-@pytest.mark.timeout(240)
-def test_a_hung_decode_worker_is_not_capacity_and_is_replaced():
+@pytest.mark.timeout(300)
+def test_a_hung_decode_worker_is_not_capacity_and_is_replaced(tmp_path):
     """A SIGSTOPped decode worker has not exited, so the fleet still calls it ready; the autoscaler must
     not count it as capacity (its scrapes fail): it sizes the role without it and starts a replacement.
     Once it answers again it counts again (the pool is then one over, held by the scale-down window).
     A kill -9'd worker is replaced too (the fleet restarts it) and is not counted while it is down.
+    The Prometheus source, beside it on a real Prometheus, counts the hung worker out too (its target's
+    ``up`` is 0) and back in once it answers.
     Real processes; no load (the idle signal sizes to minReplicas, so the counts alone decide)."""
     fleet = _fleet({"spec.prefill": {"replicas": 1, "resources": CPU},
                     "spec.decode": {"resources": CPU, "autoscaling": {
@@ -231,12 +233,20 @@ def test_a_hung_decode_worker_is_not_capacity_and_is_replaced():
                                      "scaleDown": {"stabilizationWindowSeconds": 600}}}}}, "ashung")
     loop = FleetAutoscaler(fleet, window_s=4, interval_s=1, startup_s=10)
     hung = fleet.workers("decode")[0]
+    prom = Prometheus(tmp_path / "prom")
+    shadow = None
     try:
         loop.start()
+        shadow = Shadow(fleet, loop, prom, 4)
+
+        def prom_decode(after: int) -> list:
+            return [snap.decode for snap, _ in shadow.decisions[after:]]
         assert wait_for(lambda: any(d["decode"]["signal"] == "idle" for d in loop.decisions), timeout=60), \
             list(loop.decisions)
         assert [p.name for p in fleet.workers("decode")] == [hung.name]
+        assert wait_for(lambda: any(d.ready == 1 for d in prom_decode(0)), timeout=60), prom_decode(0)[-3:]
         os.kill(hung.popen.pid, signal.SIGSTOP)
+        stopped_at = len(shadow.decisions)
         new = wait_for(lambda: [p for p in fleet.workers("decode") if p is not hung], timeout=60, interval=0.5)
         assert new, list(loop.decisions)[-5:]            # failed before the fix: the hung one counted as ready
         seen = [d["decode"] for d in loop.decisions if d["decode"].get("unresponsive")]
@@ -245,10 +255,13 @@ def test_a_hung_decode_worker_is_not_capacity_and_is_replaced():
         assert wait_for(lambda: replacement.state == "ready", timeout=150, interval=0.5)
         assert chat(fleet.endpoint, "Say hi.", max_tokens=4)[1]["usage"]["completion_tokens"] > 0
         # it answers again: capacity again, and nothing more is started
+        assert any(d.unresponsive == 1 for d in prom_decode(stopped_at)), prom_decode(stopped_at)[-3:]
         os.kill(hung.popen.pid, signal.SIGCONT)
-        n = len(loop.decisions)
+        n, m = len(loop.decisions), len(shadow.decisions)
         assert wait_for(lambda: any(d["decode"]["ready"] == 2 and not d["decode"]["unresponsive"]
                                     for d in list(loop.decisions)[n:]), timeout=30), list(loop.decisions)[-3:]
+        assert wait_for(lambda: any(d.ready == 2 and d.unresponsive == 0 for d in prom_decode(m)), timeout=30), \
+            prom_decode(m)[-3:]
         assert len(fleet.workers("decode")) == 2
         # dead: kill -9 the replacement; the fleet restarts it, and no decision counts it until it is back
         os.kill(replacement.popen.pid, signal.SIGKILL)
@@ -260,5 +273,8 @@ def test_a_hung_decode_worker_is_not_capacity_and_is_replaced():
         assert len(fleet.workers("decode")) == 2                 # replaced in place, nothing extra started
     finally:
         os.kill(hung.popen.pid, signal.SIGCONT)
+        if shadow is not None:
+            shadow.stop()
+        prom.stop()
         loop.stop()
         fleet.stop(grace=10)
