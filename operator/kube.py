@@ -82,6 +82,12 @@ class Kube:
         q = list((query or {}).items())
         attempts = self.retries if retry else 1
         last: Exception | None = None
+
+        def retryable(status) -> bool:
+            # a create's 409 is AlreadyExists, an answer, not a conflict to retry: the pool Secret's
+            # POST on every pass once spent ~6 s of retries on it, and a pool's retries of a
+            # refused child came 6 s late (tests/operator/test_failing_pools.py, quota)
+            return retry and i + 1 < attempts and not (method == "POST" and status == 409)
         for i in range(attempts):
             try:
                 params = self.api.param_serialize(method, path, query_params=q, header_params=dict(headers),
@@ -100,17 +106,13 @@ class Kube:
                 except ValueError:
                     err, msg = text, text
                 exc = KubeError(status, msg, err)
-                # a create's 409 is AlreadyExists, an answer, not a conflict to retry: the pool Secret's
-                # POST on every pass once spent ~6 s of retries on it, and a pool's retries of a
-                # refused child came 6 s late (tests/operator/test_failing_pools.py, quota)
-                if status in RETRY_STATUS and retry and i + 1 < attempts and not (method == "POST" and status == 409):
+                if status in RETRY_STATUS and retryable(status):
                     last = exc
                 else:
                     raise exc
             except client.exceptions.ApiException as e:
                 exc = KubeError(e.status or 0, e.reason or str(e), e.body)
-                if (e.status in RETRY_STATUS or not e.status) and retry and i + 1 < attempts \
-                        and not (method == "POST" and e.status == 409):
+                if (e.status in RETRY_STATUS or not e.status) and retryable(e.status):
                     last = exc
                 else:
                     raise exc from None

@@ -91,8 +91,7 @@ class _RoleState:
     correction: float = 1.0                           # capacity factor: real / modelled capacity
     corrected_at: Optional[float] = None              # when the factor was last lowered, or last faded
     first_at: Optional[float] = None                  # this policy's first decision (restart or new spec)
-    ups: deque = field(default_factory=deque)         # (at, calm) of applied scale-ups: latency below the band
-    calm: bool = False                                # this tick's latency is below the band
+    ups: deque = field(default_factory=deque)         # when scale-ups were applied, over one start-up
 
 
 @dataclass
@@ -227,8 +226,8 @@ class Autoscaler:
                 self.state[r].events.append((at, d.delta))
             if d.delta > 0:
                 st = self.state[r]
-                st.ups.append((at, st.calm))
-                while st.ups and st.ups[0][0] < at - self.startup_s:
+                st.ups.append(at)
+                while st.ups and st.ups[0] < at - self.startup_s:
                     st.ups.popleft()
         absorb = self._absorb(snapshot, decisions)
         self.last = Decision(at, decisions["prefill"], decisions["decode"], absorb, self.advisory, priority)
@@ -419,7 +418,6 @@ class Autoscaler:
         want = rec
         lat = rs.latency
         calm = lat is not None and not math.isnan(lat) and lat < lim.target * (1 - lim.tolerance)
-        st.calm = calm
         # bursts that recur within a scale-down window are load, not bursts: no confirmation, no cancelling
         memory = self.recurring_windows * lim.down_window
         recurring = self.recurring and any(r > cur for t, r in st.recs
@@ -459,7 +457,7 @@ class Autoscaler:
                 want, limited = cur - room, "maxStep"
             # not on the evidence that started them: a window that overlaps the one behind the last
             # scale-up sees mostly the same requests, and reversing it then is noise (step's flapping)
-            settled = all(t <= at - rs.window_s for t, _ in st.ups)
+            settled = all(t <= at - rs.window_s for t in st.ups)
             if (self.cancel_starting and calm and not recurring and not fresh and settled and rs.starting > 0
                     and role == "prefill"):
                 keep = max(rec, rs.ready, lo)
