@@ -382,5 +382,5 @@ def test_a_decode_hold_weighs_one_slot_in_the_replicas_whole_slots():
         for tokens in (50.0, 400.0, 3000.0):
             doubled = perf.decode_replicas(2 * tokens, ctx, target)
             assert perf.decode_replicas(tokens, ctx, target, hold_s_per_token=k * step) == doubled, (name, tokens)
-            if k > 1:   # one step's hold alone weighs 1/k of a step
-                assert perf.decode_replicas(tokens, ctx, target, hold_s_per_token=step) <= doubled
+            if k > 1 and tokens >= 400:   # one step's hold weighs 1/k of a step: short of doubling (whole: equal)
+                assert perf.decode_replicas(tokens, ctx, target, hold_s_per_token=step) < doubled, (name, tokens)
