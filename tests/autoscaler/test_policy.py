@@ -287,7 +287,9 @@ def test_a_burst_under_the_slo_is_confirmed_before_scaling_and_its_unneeded_star
     """Issue 25 (bursts cost 1.71x the oracle): while latency is below the band, a scale-up must be called
     for over ``confirm_s`` (90 s), and prefill replicas still starting that the recommendation no longer
     needs are cancelled at once. Latency above the band still scales up at the first tick. (The policy has
-    seen a whole down window of steady load first: a fresh one takes every rise as load, see below.)"""
+    seen a whole down window of steady load first: a fresh one takes every rise as load, see below; and
+    half an hour of it, so that the burst is an isolated one: bursts that recur keep their room, see
+    ``burst_quantile``.)"""
     calm_pre, calm_dec = 0.4 * TTFT, 0.7 * TPOT
     slow_down = {"scaleUp": {"stabilizationWindowSeconds": 0, "maxStep": 4, "periodSeconds": 30},
                  "scaleDown": {"stabilizationWindowSeconds": 300, "maxStep": 1, "periodSeconds": 60}}
@@ -297,7 +299,7 @@ def test_a_burst_under_the_slo_is_confirmed_before_scaling_and_its_unneeded_star
     # decode at the count the model sizes the steady load at (with every request's prefill holding a
     # place: PerfModel.decode_replicas), so that only the burst would call for more
     dec = steady(Autoscaler(spec(), CAL, headroom=0.9), 0, 0.3, 2, 2, pre_lat=calm_pre, dec_lat=calm_dec).decode.recommended
-    w = 330   # a whole down window (300 s) of steady load seen
+    w = 1830   # half an hour (burst_lookback_s) of steady load seen
     for t in range(0, w, 15):
         steady(a, t, 0.3, 2, dec, pre_lat=calm_pre, dec_lat=calm_dec)
     # a 30 s burst of 4x the requests, latency still under the band: nothing starts
@@ -384,3 +386,31 @@ def test_a_decode_hold_weighs_one_slot_in_the_replicas_whole_slots():
             assert perf.decode_replicas(tokens, ctx, target, hold_s_per_token=k * step) == doubled, (name, tokens)
             if k > 1 and tokens >= 400:   # one step's hold weighs 1/k of a step: short of doubling (whole: equal)
                 assert perf.decode_replicas(tokens, ctx, target, hold_s_per_token=step) < doubled, (name, tokens)
+
+
+def test_prefill_keeps_room_for_the_rises_it_has_seen_and_steady_load_changes_nothing():
+    """Issue 25, the Azure code trace: bursts that come back every few minutes cannot be chased (they
+    are over before new replicas start), so prefill holds room for the rises within one start-up time it
+    has seen (``burst_quantile``). Under steady load with noise the rises stay within the headroom and
+    the counts are those of the policy without it."""
+    calm_pre, calm_dec = 0.4 * TTFT, 0.7 * TPOT
+
+    def replay(loads, **kw):
+        a = Autoscaler(spec(), CAL, **kw)
+        pre = dec = 2
+        out = []
+        for i, x in enumerate(loads):
+            d = steady(a, 15 * i, x, pre, dec, pre_lat=calm_pre, dec_lat=calm_dec)
+            pre, dec = d.prefill.desired, d.decode.desired   # replicas start at once here
+            out.append((pre, dec, d.prefill.inputs.get("rise", 1.0)))
+        return out
+
+    # 0.3 requests/s with a 60-s burst to 1.2 every 6 minutes, for 36 minutes, then quiet for a minute
+    bursty = [1.2 if (15 * i) % 360 < 60 else 0.3 for i in range(144)] + [0.3] * 4
+    held, plain = replay(bursty), replay(bursty, burst_quantile=0)
+    assert held[-1][2] > 2, held[-1]                       # it saw the load quadruple within a start-up
+    assert held[-1][0] > plain[-1][0], (held[-1], plain[-1])  # and keeps prefill room for it when quiet
+    assert held[-1][1] == plain[-1][1]                     # decode is sized as before
+    rng = __import__("random").Random(7)
+    noisy = [0.3 * (1 + rng.uniform(-0.1, 0.1)) for _ in range(144)]
+    assert [c[:2] for c in replay(noisy)] == [c[:2] for c in replay(noisy, burst_quantile=0)]
