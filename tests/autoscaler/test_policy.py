@@ -414,3 +414,26 @@ def test_prefill_keeps_room_for_the_rises_it_has_seen_and_steady_load_changes_no
     rng = __import__("random").Random(7)
     noisy = [0.3 * (1 + rng.uniform(-0.1, 0.1)) for _ in range(144)]
     assert [c[:2] for c in replay(noisy)] == [c[:2] for c in replay(noisy, burst_quantile=0)]
+
+
+def test_the_capacity_probe_does_not_climb_again_past_an_overload_it_just_found():
+    """Issue 25, the H200 calibration's prompt-shift: the capacity factor probes upward (+2% a tick) while
+    latency is well below target and the count is tight, which lets the count fall until latency breaks;
+    at steady load, climbing straight back repeats the miss every few minutes. Within
+    ``probe_memory_s`` of an overload the factor stays at the value the overload lowered it to."""
+    def probe(**kw):
+        a = Autoscaler(spec(), CAL, **kw)
+        # one replica short of what the model sizes this load at: tight, and calm as the latency says
+        ready = steady(Autoscaler(spec(), CAL), 0, 1.0, 2, 2).prefill.recommended - 1
+        factors = []
+        for i in range(60):
+            t = 15 * i
+            lat = 1.5 * TTFT if i == 20 else 0.5 * TTFT      # one overload, calm before and after
+            steady(a, t, 1.0, ready, 4, pre_lat=lat, dec_lat=0.7 * TPOT)
+            factors.append(a.state["prefill"].correction)
+        return factors
+    held, free = probe(), probe(probe_memory_s=0)
+    assert held[19] > 1.1, held[19]                       # it probed up before the overload
+    assert held[20] < held[19]                            # the overload lowered it
+    assert max(held[20:]) == pytest.approx(held[20])      # and it did not climb again
+    assert free[20] < free[19] and free[-1] > free[20] * 1.1   # without the memory it climbs straight back
