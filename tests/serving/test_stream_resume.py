@@ -168,3 +168,49 @@ def test_a_stream_nobody_resumes_is_freed_after_the_grace(fleet):
     assert _health(decode)["resumable_streams"] == 0
     r.close()
     assert wait_for(lambda: _idle(decode), timeout=2.5), _health(decode)
+
+
+def test_the_load_generator_resumes_a_stream_whose_router_was_killed(fleet):
+    """The chaos soak's client (worker/bench/client.py): the router is killed after the first token and
+    restarted by the fleet's supervisor; the client reconnects with Last-Event-ID (refused while the
+    router is down, then resumed) and ends with the uninterrupted greedy text, counted in ``resumes``."""
+    import asyncio
+    import threading
+
+    import aiohttp
+
+    from tandem.worker.bench.client import RequestRecord, Target, send
+    from tandem.worker.bench.datasets import BenchRequest
+
+    want = requests.post(fleet.endpoint + "/v1/completions", json=_body(48, stream=False), timeout=120)
+    want = want.json()["choices"][0]["text"]
+    router = next(p for p in fleet.procs if p.role == "router")
+    stop = threading.Event()
+
+    def supervise():   # what `tandem up`'s supervisor thread does
+        while not stop.is_set():
+            fleet.refresh()
+            time.sleep(0.3)
+
+    async def run():
+        req = BenchRequest("r0", [{"role": "user", "content": "Once upon a time"}], 4, 48)
+        rec = RequestRecord("r0", None, 0, False, None)
+        target = Target(fleet.endpoint, MODEL, "completions", timeout=120, temperature=0)
+        async with aiohttp.ClientSession() as s:
+            task = asyncio.create_task(send(s, target, req, rec))
+            while rec.first_token_mono is None and not task.done():
+                await asyncio.sleep(0.01)
+            os.kill(router.popen.pid, signal.SIGKILL)
+            return await task
+    sup = threading.Thread(target=supervise, daemon=True)
+    sup.start()
+    try:
+        rec = asyncio.run(run())
+    finally:
+        stop.set()
+        sup.join()
+    assert rec.ok, (rec.error_kind, rec.error)
+    assert rec.resumes >= 1 and rec.last_event_id
+    assert rec.text == want
+    assert rec.completion_tokens == 48
+    assert wait_for(lambda: _idle(_decode(fleet)), timeout=30)
