@@ -217,10 +217,10 @@ class WorkerServer:
                     ended = True
                     self._finished(last, t0, timer, first)
                 if resume is not None:
-                    handed = ended = True   # the producer counts its own end
                     stream = self.streams.open(*resume)
                     stream.task = asyncio.create_task(
                         self._produce(stream, req, builder, first, gen, timer, finish))
+                    handed = ended = True   # the producer owns the generator, and counts its own end
                     return await self._read(request, stream, -1)
                 if req.stream:
                     return await self._stream(request, req, builder, first, gen, timer, finish)

@@ -99,6 +99,9 @@ class StreamRegistry:
         if sid in self.streams:
             raise ValueError(f"stream {sid} exists")
         s = self.streams[sid] = ResumableStream(sid, owner, min(grace, MAX_GRACE_SECONDS))
+        # armed until a reader attaches: a stream whose first reader never got as far (its connection
+        # was gone before the response began) is still let go after the grace
+        s.expiry = asyncio.get_running_loop().call_later(s.grace, self._expire, s)
         return s
 
     def get(self, sid: str, owner: str) -> ResumableStream | None:
