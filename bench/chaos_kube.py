@@ -367,22 +367,25 @@ class OperatorWatch:
 def outage_rows(samples: list, faults: list, margin_s: float = 3.0) -> list[dict]:
     """From :class:`OperatorWatch` ``samples``, per ``apiserver_outage`` fault: over the scrapes from
     ``margin_s`` after the stop (a tick under way at the stop may end after it) to the start again, the
-    ticks that decided, those that found the API server unavailable, and the scaling actions (summed
-    over operator pods, each counter differenced from its own first scrape in the span); and the
-    seconds from the start to the first scrape that shows a new decided tick."""
+    ticks that decided, the ticks by outcome (``api_unavailable``; ``not_leader``: the Lease could not be
+    renewed, so the replica stopped acting) and the scaling actions (summed over operator pods, each
+    counter differenced from its own first scrape in the span); and the seconds from the start to the
+    first scrape that shows a new decided tick."""
     out = []
     for f in faults:
         if f.kind != "apiserver_outage" or f.until is None:
             continue
         inside = [x for x in samples if f.at + margin_s <= x[0] <= f.until]
         row = {"fault": f.id, "down_s": round(f.until - f.at, 1), "scrapes": len(inside)}
-        for key, get in (("decided_while_down", lambda x: x[2].get("decided", 0.0)),
-                         ("api_unavailable_ticks", lambda x: x[2].get("api_unavailable", 0.0)),
-                         ("actions_while_down", lambda x: x[3])):
+        def delta(get) -> int:
             by_pod: dict[str, list[float]] = {}
             for x in inside:
                 by_pod.setdefault(x[1], []).append(get(x))
-            row[key] = int(sum(v[-1] - v[0] for v in by_pod.values()))
+            return int(sum(v[-1] - v[0] for v in by_pod.values()))
+        row["decided_while_down"] = delta(lambda x: x[2].get("decided", 0.0))
+        row["actions_while_down"] = delta(lambda x: x[3])
+        outcomes = sorted({o for x in inside for o in x[2]} - {"decided"})
+        row["ticks_while_down"] = {o: delta(lambda x, o=o: x[2].get(o, 0.0)) for o in outcomes}
         last = {x[1]: x[2].get("decided", 0.0) for x in samples if x[0] <= f.until}
         first = next((x[0] for x in samples
                       if x[0] > f.until and x[2].get("decided", 0.0) > last.get(x[1], 0.0)), None)
@@ -487,10 +490,11 @@ def _run(cfg, apiserver_down_s, log, helm, workdir, capacity, rate, dataset, sch
 def outage_table(rows: list[dict]) -> str:
     """The autoscaler through the API-server outages, as a Markdown table (bench/RESULTS.md)."""
     head = ["| fault | down (s) | operator scrapes while down | ticks that decided while down (aim 0) | "
-            "scaling actions while down (aim 0) | ticks that found the API server unavailable | "
+            "scaling actions while down (aim 0) | other ticks while down, by outcome | "
             "first decision after it was back (s) |", "|---|---|---|---|---|---|---|"]
     return "\n".join(head + [f"| {r['fault']} | {r['down_s']} | {r['scrapes']} | {r['decided_while_down']} | "
-                             f"{r['actions_while_down']} | {r['api_unavailable_ticks']} | "
+                             f"{r['actions_while_down']} | "
+                             f"{', '.join(f'{k} {v}' for k, v in r['ticks_while_down'].items()) or 'none'} | "
                              f"{r['first_decision_after_s']} |" for r in rows])
 
 

@@ -134,8 +134,8 @@ def test_kube_target_proxy_skips_a_router_that_refuses():
 
 def test_kube_outage_rows_count_what_the_autoscaler_did_while_the_api_server_was_down():
     """bench/chaos_kube.py's reading of the operator's tick counters through an outage (down from 100 to
-    130): decided ticks and scaling actions inside it (from 3 s after the stop), ticks that found the
-    API server unavailable, and the first decision after it was back. Scrapes written by the test."""
+    130): decided ticks and scaling actions inside it (from 3 s after the stop), the other ticks by
+    outcome, and the first decision after it was back. Scrapes written by the test."""
     sys.path.insert(0, str(ROOT / "bench"))
     from chaos_kube import outage_rows
 
@@ -144,8 +144,8 @@ def test_kube_outage_rows_count_what_the_autoscaler_did_while_the_api_server_was
     after = [(131.0, "op-a", {"decided": 10.0}, 4.0), (134.0, "op-a", {"decided": 11.0}, 4.0)]
     rows = outage_rows([(99.0, "op-a", {"decided": 9.0}, 4.0), *held, *after],
                        [Fault(0, "apiserver_outage", 100.0, 130.0), Fault(1, "kill_router", 140.0, 150.0)])
-    assert rows == [{"fault": 0, "down_s": 30.0, "scrapes": 28, "decided_while_down": 0,
-                     "api_unavailable_ticks": 13, "actions_while_down": 0, "first_decision_after_s": 4.0}]
+    assert rows == [{"fault": 0, "down_s": 30.0, "scrapes": 28, "decided_while_down": 0, "actions_while_down": 0,
+                     "ticks_while_down": {"api_unavailable": 13}, "first_decision_after_s": 4.0}]
     # a decision while down is counted (the aim's breach), by pod
     moved = held[:20] + [(t, "op-a", {"decided": 11.0}, 5.0) for t in range(121, 131)]
     (row,) = outage_rows(moved, [Fault(0, "apiserver_outage", 100.0, 130.0)])
