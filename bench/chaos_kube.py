@@ -385,7 +385,7 @@ def outage_rows(samples: list, faults: list, margin_s: float = 3.0) -> list[dict
         row["decided_while_down"] = delta(lambda x: x[2].get("decided", 0.0))
         row["actions_while_down"] = delta(lambda x: x[3])
         outcomes = sorted({o for x in inside for o in x[2]} - {"decided"})
-        row["ticks_while_down"] = {o: delta(lambda x, o=o: x[2].get(o, 0.0)) for o in outcomes}
+        row["ticks_while_down"] = {o: n for o in outcomes if (n := delta(lambda x, o=o: x[2].get(o, 0.0)))}
         last = {x[1]: x[2].get("decided", 0.0) for x in samples if x[0] <= f.until}
         first = next((x[0] for x in samples
                       if x[0] > f.until and x[2].get("decided", 0.0) > last.get(x[1], 0.0)), None)
