@@ -95,9 +95,10 @@ RESENDABLE = ("connect", "disconnected", "http_503")
 #: failures of a begun stream after which it is resumed (with its last event id), and of a resume
 #: attempt after which it is tried again: the stream broke, or the router is not back yet
 RESUMABLE = ("incomplete", "client_error", *RESENDABLE)
-#: reconnections of one broken stream at most (0.5 s, 1 s, then 2 s apart: about 15 s in all, a
-#: restarting router's time, within the decode worker's resume grace)
-MAX_RESUMES = 9
+#: reconnections of one broken stream at most, 0.5 s, 1 s, then 2 s apart: about 21 s in all, a
+#: restarting router's time (the thirteenth session's local soak needed 6-7 on a loaded machine),
+#: within the decode worker's resume grace (spec.router.streamResumeGraceSeconds, default 30 s)
+MAX_RESUMES = 12
 
 
 @dataclass
