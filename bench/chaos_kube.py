@@ -22,6 +22,12 @@ with these faults (``--faults``, default all of them):
 - ``apiserver_outage``: the kube-apiserver stopped for ``--apiserver-down-seconds`` (30), then started;
 - ``delete_worker_pod``: a ready prefill or decode pod deleted (its preStop drain, then a new pod).
 
+Through the API-server outages the operator's autoscaler is watched (:class:`OperatorWatch`: its
+``tandem:autoscaler_ticks_total{outcome}`` and ``tandem:autoscaler_scaling_actions_total``, scraped every
+second at the operator pod's metrics port): the summary's ``apiserver_outages`` gives, per outage, the
+ticks that decided and the scaling actions while the API server was down (aim 0: nothing decided on
+stale data), the ticks that found it unavailable, and the seconds from its return to the first decision.
+
 The client reaches the routers through a stand-in for kube-proxy (:class:`ServiceProxy`, on loopback):
 each new connection goes to a router pod that accepts it, so a killed router's new connections go to the
 other one; the cluster has no kube-proxy, and the chart's Service is the client's entry in production.
@@ -306,6 +312,88 @@ class KubeInjector:
         return f
 
 
+class OperatorWatch:
+    """The operator's autoscaler ticks, scraped every ``interval`` s from its pods' metrics ports (the
+    last known pods are kept while the API server is down): ``samples`` of ``(unix time, pod name,
+    {outcome: ticks}, scaling actions)``."""
+
+    def __init__(self, c: Cluster, interval: float = 1.0):
+        self.op, self.interval = Operator(c), interval
+        self.samples: list[tuple[float, str, dict, float]] = []
+        self._pods: list[tuple[str, str]] = []   # (name, metrics URL)
+        self._stop = threading.Event()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _targets(self) -> list[tuple[str, str]]:
+        try:
+            pods = self.op.pods()
+        except RuntimeError:   # the API server is down: the last known pods
+            return self._pods
+        out = []
+        for p in pods:
+            ip = (p.get("status") or {}).get("podIP")
+            env = {e["name"]: e.get("value") for c in p["spec"]["containers"] for e in c.get("env") or []}
+            port = env.get("TANDEM_METRICS_PORT") or "8080"
+            if ip and port != "0":
+                out.append((p["metadata"]["name"], f"http://{ip}:{port}/metrics"))
+        self._pods = out
+        return out
+
+    def _run(self) -> None:
+        import urllib.request
+        from prometheus_client.parser import text_string_to_metric_families
+        while not self._stop.wait(self.interval):
+            for name, url in self._targets():
+                try:
+                    text = urllib.request.urlopen(url, timeout=2).read().decode()
+                except OSError:
+                    continue
+                ticks, actions = {}, 0.0
+                for fam in text_string_to_metric_families(text):
+                    for smp in fam.samples:
+                        if smp.name == "tandem:autoscaler_ticks_total":
+                            ticks[smp.labels["outcome"]] = smp.value
+                        elif smp.name == "tandem:autoscaler_scaling_actions_total":
+                            actions += smp.value
+                self.samples.append((time.time(), name, ticks, actions))
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def outages(self, faults: list) -> list[dict]:
+        return outage_rows(self.samples, faults)
+
+
+def outage_rows(samples: list, faults: list, margin_s: float = 3.0) -> list[dict]:
+    """From :class:`OperatorWatch` ``samples``, per ``apiserver_outage`` fault: over the scrapes from
+    ``margin_s`` after the stop (a tick under way at the stop may end after it) to the start again, the
+    ticks that decided, the ticks by outcome (``api_unavailable``; ``not_leader``: the Lease could not be
+    renewed, so the replica stopped acting) and the scaling actions (summed over operator pods, each
+    counter differenced from its own first scrape in the span); and the seconds from the start to the
+    first scrape that shows a new decided tick."""
+    out = []
+    for f in faults:
+        if f.kind != "apiserver_outage" or f.until is None:
+            continue
+        inside = [x for x in samples if f.at + margin_s <= x[0] <= f.until]
+        row = {"fault": f.id, "down_s": round(f.until - f.at, 1), "scrapes": len(inside)}
+        def delta(get) -> int:
+            by_pod: dict[str, list[float]] = {}
+            for x in inside:
+                by_pod.setdefault(x[1], []).append(get(x))
+            return int(sum(v[-1] - v[0] for v in by_pod.values()))
+        row["decided_while_down"] = delta(lambda x: x[2].get("decided", 0.0))
+        row["actions_while_down"] = delta(lambda x: x[3])
+        outcomes = sorted({o for x in inside for o in x[2]} - {"decided"})
+        row["ticks_while_down"] = {o: n for o in outcomes if (n := delta(lambda x, o=o: x[2].get(o, 0.0)))}
+        last = {x[1]: x[2].get("decided", 0.0) for x in samples if x[0] <= f.until}
+        first = next((x[0] for x in samples
+                      if x[0] > f.until and x[2].get("decided", 0.0) > last.get(x[1], 0.0)), None)
+        row["first_decision_after_s"] = None if first is None else round(first - f.until, 1)
+        out.append(row)
+    return out
+
+
 def pool_manifest(cfg: C.ChaosConfig) -> list[dict]:
     """The calibration ConfigMap and the pool: ``cfg.manifest`` with both roles autoscaled
     (:func:`tandem.worker.bench.chaos.chaos_manifest`), 2 router replicas, the calibration as its
@@ -373,6 +461,7 @@ def _run(cfg, apiserver_down_s, log, helm, workdir, capacity, rate, dataset, sch
         secret = pool_secret(c)
         proxy = ServiceProxy(lambda: [(p["status"]["podIP"], WORKER_PORT) for p in pods.ready("router")])
         injector = KubeInjector(c, pods, cfg.seed, cfg.stop_s, cfg.cut_s, apiserver_down_s, out=log)
+        watch = OperatorWatch(c)
         target = Target(proxy.url, doc_model(cfg), "completions", timeout=cfg.deadline_s,
                         headers=lambda: auth.pool_headers(secret), resend_s=cfg.deadline_s)
 
@@ -387,13 +476,26 @@ def _run(cfg, apiserver_down_s, log, helm, workdir, capacity, rate, dataset, sch
             s["operator_restarts"] = sum(cs.get("restartCount", 0) for p in op
                                          for cs in (p.get("status") or {}).get("containerStatuses") or [])
             s["replicas_at_end"] = {r: len(pods.ready(r)) for r in ("prefill", "decode", "router")}
+            s["apiserver_outages"] = watch.outages(injector.faults)
             if cfg.output_dir:
                 out = {k: v for k, v in s.items() if k != "records"}
                 (Path(cfg.output_dir) / "summary.json").write_text(json.dumps(out, indent=1))
             return s
         finally:
+            watch.stop()
             proxy.stop()
             pods.stop()
+
+
+def outage_table(rows: list[dict]) -> str:
+    """The autoscaler through the API-server outages, as a Markdown table (bench/RESULTS.md)."""
+    head = ["| fault | down (s) | operator scrapes while down | ticks that decided while down (aim 0) | "
+            "scaling actions while down (aim 0) | other ticks while down, by outcome | "
+            "first decision after it was back (s) |", "|---|---|---|---|---|---|---|"]
+    return "\n".join(head + [f"| {r['fault']} | {r['down_s']} | {r['scrapes']} | {r['decided_while_down']} | "
+                             f"{r['actions_while_down']} | "
+                             f"{', '.join(f'{k} {v}' for k, v in r['ticks_while_down'].items()) or 'none'} | "
+                             f"{r['first_decision_after_s']} |" for r in rows])
 
 
 def doc_model(cfg: C.ChaosConfig) -> str:
@@ -411,6 +513,7 @@ def main() -> int:
         return 2
     s = run_kube_chaos(cfg, a.apiserver_down_seconds)
     print(f"operator restarts: {s['operator_restarts']}; ready pods at the end: {s['replicas_at_end']}")
+    print(outage_table(s["apiserver_outages"]))
     return C.report(s, a.json)
 
 

@@ -63,6 +63,9 @@ class Proc:
     started: float = field(default_factory=time.monotonic)
     restarts: int = 0                          # restarts in a row without a minute up
     restart_at: float = 0.0
+    #: exited on its own and not ready since: its restart repairs a failure, it is no change rolling out
+    #: (the autoscaler does not hold for it: tandem.operator.autoscaler.fleet_loop)
+    crashed: bool = False
     tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=4))   # last lines
 
 
@@ -209,7 +212,7 @@ class LocalFleet:
             if p.state == "starting" and p.popen.poll() is None and _ready(p.url):
                 with self.lock:
                     if p.state == "starting":
-                        p.state = "ready"
+                        p.state, p.crashed = "ready", False
                 if p.role != "router":
                     self.write_discovery()
         return exited
@@ -221,7 +224,7 @@ class LocalFleet:
             p.restarts = 0
         delay = min(cap, first * 2 ** p.restarts)
         p.restarts += 1
-        p.state, p.restart_at = "restarting", now + delay
+        p.state, p.restart_at, p.crashed = "restarting", now + delay, True
         why = " | ".join(p.tail) or "no output"
         self.out.write(f"tandem up: {p.name} exited with code {p.popen.returncode} (last output: {why}); "
                        f"restarting it in {delay:.0f} s (restart {p.restarts} in a row)\n")

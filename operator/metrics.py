@@ -19,6 +19,7 @@ class Metrics:
     signal: Counter = None
     actions: Counter = None
     leader: Gauge = None
+    ticks: Counter = None
 
     def observe(self, res, seconds: float) -> None:
         self.passes.inc()
@@ -55,4 +56,8 @@ def autoscaler_metrics(registry=None) -> dict:
                         names + ["direction"], **kw),
         leader=Gauge("tandem:autoscaler_leader", "1 while this operator replica holds the autoscaler's Lease.",
                      **kw),
+        ticks=Counter("tandem:autoscaler_ticks", "Autoscaler ticks by outcome: decided (at least one pool "
+                      "observed and decided), api_unavailable (the API server did not answer: nothing decided, "
+                      "nothing acted on), not_leader (another replica holds the Lease), no_pools.",
+                      ["outcome"], **kw),
     )

@@ -142,7 +142,7 @@ def read_stream(r) -> tuple[str, list[dict]]:
     """The concatenated text and the parsed chunks of an SSE response; asserts it ended with [DONE]."""
     text, chunks, done = "", [], False
     for line in r.iter_lines():
-        if not line:
+        if not line or line.startswith(b"id: "):   # the router numbers its events (stream resumption)
             continue
         assert line.startswith(b"data: "), line
         if line == b"data: [DONE]":

@@ -188,7 +188,8 @@ async def _serve_router(args, cfg) -> None:
                     max_model_len=cfg.model.maxModelLen, max_request_bytes=args.max_request_bytes,
                     api_keys=args.api_keys, pool_secret=args.pool_secret,
                     ready_without_workers=bool((cfg.discovery or {}).get("scaleToZero")),
-                    unavailable_timeout=cfg.router.unavailableTimeoutSeconds)
+                    unavailable_timeout=cfg.router.unavailableTimeoutSeconds,
+                    stream_resume_grace=cfg.router.streamResumeGraceSeconds)
 
     async def on_signal(stop: asyncio.Event) -> None:
         stop.set()

@@ -9,7 +9,11 @@ router's and the workers' /metrics (:class:`PodsSource`), asks the policy, and a
   at full length, a prefill worker's KV transfers too), then stop it (SIGTERM);
 - advisory mode: record the decision, act on nothing.
 
-Starting and draining workers make the snapshot ``rolling_out``: the policy holds until they settle.
+Starting and draining workers make the snapshot ``rolling_out``: the policy holds until they settle. A
+worker that crashed and is being restarted does not: it is a failure, not a change being applied (on
+Kubernetes a crashed pod leaves its Deployment's replica count as it was, so the operator's loop does not
+hold either). Held for it, a worker in a crash loop (restarted with a backoff up to 30 s) froze every
+decision of both roles; now it is counted ``unresponsive`` (not capacity) and the role is sized without it.
 Each decision is kept (``decisions``, the last 50) with its inputs, and every drain's state at drain
 time (``drains``), for ``tandem up``'s log and for tests.
 """
@@ -104,7 +108,8 @@ class FleetActuator:
 
     def targets(self) -> tuple[Targets, bool]:
         t = self.owner.targets()
-        return t, any(w.state != "ready" for w in t.prefill + t.decode)
+        repairing = {p.url for p in self.fleet.workers() if p.crashed}
+        return t, any(w.state != "ready" and w.url not in repairing for w in t.prefill + t.decode)
 
     def record(self, decision, snapshot, acted: bool) -> None:
         self.owner.decisions.append(decision_record(decision, snapshot, acted))

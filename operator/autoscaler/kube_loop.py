@@ -161,13 +161,27 @@ class KubeAutoscaler:
         return ok
 
     # ---- the tick -------------------------------------------------------------------------------
+    def _ticked(self, outcome: str) -> None:
+        if self.metrics is not None and self.metrics.ticks is not None:
+            self.metrics.ticks.labels(outcome=outcome).inc()
+
     def tick(self) -> None:
-        """One pass over every autoscaled pool, when this replica leads."""
+        """One pass over every autoscaled pool, when this replica leads. Counted by outcome
+        (``tandem:autoscaler_ticks_total``): while the API server is down nothing is decided or acted on,
+        since the pools, Deployments and pods are read afresh every tick (no stale copy is decided on);
+        the chaos soak (bench/chaos_kube.py) records these counts through its API-server outages."""
         if not self.leading():
+            self._ticked("not_leader")
             return
         from ..reconcile import list_pools
         seen = set()
-        for body in list_pools(self.kube, self.namespaces):
+        decided = failed = 0
+        try:
+            bodies = list_pools(self.kube, self.namespaces)
+        except KubeError:
+            self._ticked("api_unavailable")
+            raise
+        for body in bodies:
             md = body["metadata"]
             key = (md.get("namespace") or "default", md["name"])
             if md.get("deletionTimestamp"):
@@ -189,10 +203,13 @@ class KubeAutoscaler:
                 self.pools[key] = st
             try:
                 self._pool(body, pool, st)
+                decided += 1
             except KubeError as e:
+                failed += 1
                 log.warning("autoscaler: pool %s/%s: %s", *key, e)
         for gone in set(self.pools) - seen:
             del self.pools[gone]
+        self._ticked("decided" if decided else "api_unavailable" if failed else "no_pools")
 
     def _pool(self, body: dict, pool: S.InferencePool, st: _PoolState) -> None:
         ns, name = pool.metadata.namespace, pool.metadata.name

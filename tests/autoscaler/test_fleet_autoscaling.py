@@ -278,3 +278,41 @@ def test_a_hung_decode_worker_is_not_capacity_and_is_replaced(tmp_path):
         prom.stop()
         loop.stop()
         fleet.stop(grace=10)
+
+
+@pytest.mark.timeout(300)
+def test_a_crashed_worker_does_not_freeze_the_autoscaler():
+    """kill -9 of the only decode worker: while the fleet restarts it (after its backoff, then its
+    start-up: a crash loop backs off up to 30 s) the autoscaler keeps deciding. The dead worker is not
+    capacity (``unresponsive``), so the role is short of its minimum and a replacement is started at
+    once, as for a hung worker. Failed before the fix: every worker not ready, a crashed one included,
+    made the snapshot ``rolling_out``, and the policy held every decision of both roles (``limitedBy:
+    rollout``) until the crashed worker was back; then nothing was started."""
+    fleet = _fleet({"spec.prefill": {"replicas": 1, "resources": CPU},
+                    "spec.decode": {"resources": CPU, "autoscaling": {
+                        "enabled": True, "minReplicas": 1, "maxReplicas": 2,
+                        "target": {"metric": "tpot", "percentile": 90, "seconds": 1.0},
+                        "behavior": {"scaleUp": {"stabilizationWindowSeconds": 0, "maxStep": 1, "periodSeconds": 1},
+                                     "scaleDown": {"stabilizationWindowSeconds": 600}}}}}, "ascrash")
+    loop = FleetAutoscaler(fleet, window_s=4, interval_s=1, startup_s=10)
+    victim = fleet.workers("decode")[0]
+    try:
+        loop.start()
+        assert wait_for(lambda: any(d["decode"]["signal"] == "idle" for d in loop.decisions), timeout=60), \
+            list(loop.decisions)
+        os.kill(victim.popen.pid, signal.SIGKILL)
+        n = len(loop.decisions)
+        new = wait_for(lambda: [p for p in fleet.workers("decode") if p is not victim], timeout=60, interval=0.5)
+        after = [d["decode"] for d in list(loop.decisions)[n:]]
+        assert new, after[-5:]
+        assert victim.crashed or victim.state == "ready"
+        assert not any(d["limitedBy"] == "rollout" for d in after), after
+        up = next(d for d in after if d["desired"] > d["current"])
+        assert up["ready"] == 0 and up["current"] == 0, up   # the dead one is no capacity
+        # both back: the restarted one counts again, and it no longer marks a failure
+        assert wait_for(lambda: victim.state == "ready" and new[0].state == "ready", timeout=150, interval=0.5)
+        assert not victim.crashed
+        assert wait_for(lambda: any(d["decode"]["ready"] == 2 for d in list(loop.decisions)[n:]), timeout=30)
+    finally:
+        loop.stop()
+        fleet.stop(grace=10)

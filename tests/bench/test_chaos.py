@@ -130,3 +130,23 @@ def test_kube_target_proxy_skips_a_router_that_refuses():
                 assert s.get(proxy.url + "/ready", timeout=10).text == "router"
     finally:
         proxy.stop()
+
+
+def test_kube_outage_rows_count_what_the_autoscaler_did_while_the_api_server_was_down():
+    """bench/chaos_kube.py's reading of the operator's tick counters through an outage (down from 100 to
+    130): decided ticks and scaling actions inside it (from 3 s after the stop), the other ticks by
+    outcome, and the first decision after it was back. Scrapes written by the test."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from chaos_kube import outage_rows
+
+    from tandem.worker.bench.chaos import Fault
+    held = [(t, "op-a", {"decided": 10.0, "api_unavailable": float(t - 101) // 2}, 4.0) for t in range(101, 131)]
+    after = [(131.0, "op-a", {"decided": 10.0}, 4.0), (134.0, "op-a", {"decided": 11.0}, 4.0)]
+    rows = outage_rows([(99.0, "op-a", {"decided": 9.0}, 4.0), *held, *after],
+                       [Fault(0, "apiserver_outage", 100.0, 130.0), Fault(1, "kill_router", 140.0, 150.0)])
+    assert rows == [{"fault": 0, "down_s": 30.0, "scrapes": 28, "decided_while_down": 0, "actions_while_down": 0,
+                     "ticks_while_down": {"api_unavailable": 13}, "first_decision_after_s": 4.0}]
+    # a decision while down is counted (the aim's breach), by pod
+    moved = held[:20] + [(t, "op-a", {"decided": 11.0}, 5.0) for t in range(121, 131)]
+    (row,) = outage_rows(moved, [Fault(0, "apiserver_outage", 100.0, 130.0)])
+    assert row["decided_while_down"] == 1 and row["actions_while_down"] == 1 and row["first_decision_after_s"] is None

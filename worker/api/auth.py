@@ -59,7 +59,7 @@ OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/drain", "/absorb-bursts", "other", "kv")
 #: paths only the pool may call (the operator's control of a router): the pool token, never an API key;
 #: their handlers check it (:func:`pool_only`), since a router's middleware takes API keys alone
-POOL_ONLY_PATHS = frozenset({"/absorb-bursts"})
+POOL_ONLY_PATHS = frozenset({"/absorb-bursts", "/v1/streams/resume", "/v1/streams/cancel"})
 _SPLIT = re.compile(r"[\s,]+")
 
 

@@ -209,6 +209,11 @@ class RouterSpec(_Model):
     unavailableTimeoutSeconds: float = Field(5, gt=0, le=3600, description=(
         "Seconds the router of a pool that is not scaled to zero holds a request while no decode worker "
         "is ready (a crashed worker restarting) before answering 503 with Retry-After."))
+    streamResumeGraceSeconds: float = Field(30, ge=0, le=300, description=(
+        "Seconds a decode worker keeps generating a stream whose router connection broke (a router "
+        "killed), for the client to reconnect through any router with the SSE Last-Event-ID header and "
+        "get the rest; after it the sequence is aborted and its KV blocks freed. 0: streams are not "
+        "resumable (a broken connection aborts at once, as a client that leaves always does)."))
     resources: ResourceRequirements = Field(default_factory=ResourceRequirements, description=(
         "Container resources of each router pod."))
     apiKeySecretRef: Optional[SecretRef] = Field(None, description=(

@@ -2,7 +2,9 @@
 and the headers they pass each other."""
 from __future__ import annotations
 
+import hashlib
 import logging
+import re
 import uuid
 
 from aiohttp import web
@@ -15,6 +17,26 @@ log = logging.getLogger(__name__)
 PREFILL_PEER_HEADER = "X-Tandem-Prefill-Peer"
 #: worker -> router, on non-streaming responses: the worker's TTFT in seconds
 TTFT_HEADER = "X-Tandem-TTFT-Seconds"
+#: router -> decode worker: this stream's id (``<decode worker key>.<random hex>``). Its presence (from the
+#: pool only) opts the request into resumption: the worker numbers the stream's events
+#: (``id: <stream id>:<index>``) and keeps the sequence for a grace period when the connection drops
+#: (tandem.worker.server.resumable)
+STREAM_ID_HEADER = "X-Tandem-Stream-Id"
+#: router -> decode worker: the seconds the worker keeps such a stream after its connection dropped
+STREAM_GRACE_HEADER = "X-Tandem-Stream-Grace"
+#: router -> decode worker: a digest of the client's credential; only the same digest may resume or cancel
+STREAM_OWNER_HEADER = "X-Tandem-Stream-Owner"
+#: a stream id: ``<16 hex: the decode worker's key (:func:`worker_key`)>.<32 hex: random>``
+STREAM_ID = re.compile(r"^[0-9a-f]{16}\.[0-9a-f]{32}$")
+#: the SSE reconnection header (the HTML standard's server-sent events): the id of the last event received
+LAST_EVENT_ID_HEADER = "Last-Event-ID"
+
+
+def worker_key(url: str) -> str:
+    """A worker's key in stream ids: 16 hex digits of its URL's SHA-256. A router that resumes a stream
+    finds the worker by matching this against the workers it discovered itself, so no address a
+    client sends is ever connected to."""
+    return hashlib.sha256(url.encode()).hexdigest()[:16]
 
 
 #: the default limit on a request body (``tandem serve --max-request-bytes``)

@@ -93,6 +93,10 @@ class Metrics:
             "tandem:router_retries", "Requests the router sent again, before their first token, to another "
             "worker, by reason (unreachable, draining, hung: a worker stopped answering its health checks).",
             names + ["reason"], registry=r)
+        self.router_stream_resumes = Counter(
+            "tandem:router_stream_resumes", "Clients' reconnections to a broken stream (Last-Event-ID), by outcome "
+            "(resumed; not_found: the worker no longer has it for this client; unknown_worker: its decode worker "
+            "is not discovered; unreachable; refused).", names + ["outcome"], registry=r)
         self.auth_failures = Counter("tandem:auth_failures", "Requests and KV transfers refused for want of "
                                      "a valid API key, pool token or KV handshake proof.",
                                      names + ["endpoint"], registry=r)
@@ -114,6 +118,8 @@ class Metrics:
                 self.router_stream_errors.labels(**self.labels, reason=reason)
             for reason in ("unreachable", "draining", "hung"):
                 self.router_retries.labels(**self.labels, reason=reason)
+            for outcome in ("resumed", "not_found", "unknown_worker", "unreachable", "refused"):
+                self.router_stream_resumes.labels(**self.labels, outcome=outcome)
         if engine is not None:
             r.register(_EngineCollector(engine, self.labels))
 

@@ -8,7 +8,8 @@ from a seeded schedule (:func:`fault_schedule`: rounds, each a shuffle of the ki
 - ``kill_decode`` / ``kill_prefill``: ``kill -9`` of a ready worker of that role (the fleet's
   supervisor restarts it on its port, :meth:`tandem.operator.local.LocalFleet.supervise`);
 - ``kill_router``: ``kill -9`` of the router, restarted the same way (the client sends again what
-  failed before any answer, as OpenAI's SDK retries connection errors);
+  failed before any answer, as OpenAI's SDK retries connection errors, and resumes a begun stream with
+  its last event id, ``Last-Event-ID``: docs/serving.md "Stream resumption");
 - ``stop_worker``: ``SIGSTOP`` of a ready worker for ``--stop-seconds``, then ``SIGCONT`` (a hung peer);
 - ``cut_kv``: every KV-transfer TCP connection of the prefill workers cut (``ss -K``, the kernel's
   socket destroy) for ``--cut-seconds``.
@@ -17,8 +18,8 @@ Each request goes through the load generator (:mod:`tandem.worker.bench.runner`)
 workers that served it to a caller with the pool token. Every request is written as a JSON line with
 its workers, the faults active while it ran, and its class (:func:`classify`): ``ok``;
 ``decode_killed_mid_stream`` (its stream had begun on a decode worker that was killed: unavoidable);
-``router_killed_mid_stream`` (its stream had begun through the router when it was killed: unavoidable
-with one router); ``hung`` (its deadline passed without an answer or an error); ``failed`` (anything
+``router_killed_mid_stream`` (its stream had begun through the router when it was killed and could not
+be resumed: avoidable since streams resume, so it counts with ``failed``); ``hung`` (its deadline passed without an answer or an error); ``failed`` (anything
 else: each one is a bug). At the end every worker must be idle: no running or waiting sequence and no
 KV block held (:func:`leaks`).
 
@@ -51,7 +52,7 @@ import yaml
 
 FAULT_KINDS = ("kill_decode", "kill_prefill", "kill_router", "stop_worker", "cut_kv")
 #: classes of a request that count as failed but cannot be avoided by the fleet
-UNAVOIDABLE = ("decode_killed_mid_stream", "router_killed_mid_stream")
+UNAVOIDABLE = ("decode_killed_mid_stream",)
 
 
 def fault_schedule(seed: int, duration_s: float, every_s: float, kinds=FAULT_KINDS) -> list[tuple[float, str]]:
@@ -398,8 +399,11 @@ def summarize(records: list[dict], faults: list[Fault], idle: list[dict], cfg: C
         "capacity_rps": round(capacity, 3), "rate_rps": round(rate, 3), "load_fraction": cfg.load_fraction,
         "requests": len(records), "by_class": by_class,
         "failed_unavoidable": sum(by_class.get(c, 0) for c in UNAVOIDABLE),
-        "failed_other": by_class.get("failed", 0), "hung": by_class.get("hung", 0),
+        "failed_other": sum(n for c, n in by_class.items() if c not in ("ok", "hung", *UNAVOIDABLE)),
+        "hung": by_class.get("hung", 0),
         "resent_by_client": sum(1 for r in records if r["resends"]),
+        "resumed_by_client": sum(1 for r in records if r.get("resumes")),
+        "resumed_ok": sum(1 for r in records if r.get("resumes") and r["class"] == "ok"),
         "faults": kinds, "faults_skipped": sum(1 for f in faults if f.note.startswith(("skipped", "failed"))),
         "leaked_workers": [r["name"] for r in idle if r["leak"] is not False],
         "idle": idle,
@@ -480,7 +484,7 @@ def soak(cfg: ChaosConfig, target, injector, dataset, schedule, rate: float, cap
     for rec in result.records:
         row = {"id": rec.id, "send_unix": round(rec.send_unix, 3), "ttft": rec.ttft, "e2e": rec.e2e,
                "completion_tokens": rec.completion_tokens, "status": rec.status, "error_kind": rec.error_kind,
-               "error": rec.error, "resends": rec.resends,
+               "error": rec.error, "resends": rec.resends, "resumes": rec.resumes,
                "decode": injector.names.get(rec.served_by.get("X-Tandem-Decode-Worker", ""),
                                             rec.served_by.get("X-Tandem-Decode-Worker")),
                "prefill": injector.names.get(rec.served_by.get("X-Tandem-Prefill-Worker", ""),
@@ -541,6 +545,8 @@ def table(summary: dict) -> str:
     rows += [(f"requests: {k}", v) for k, v in sorted(summary["by_class"].items())]
     rows += [("failed, avoidable (aim 0)", summary["failed_other"]), ("hung (aim 0)", summary["hung"]),
              ("sent again by the client", summary["resent_by_client"]),
+             ("streams resumed after a broken connection (Last-Event-ID): completed / all",
+              f"{summary.get('resumed_ok', 0)} / {summary.get('resumed_by_client', 0)}"),
              ("workers holding sequences or blocks at the end (aim none)", ", ".join(summary["leaked_workers"])
               or "none")]
     slo = summary.get("slo")

@@ -9,6 +9,10 @@ counting chunks. A stream without usage (llama-cpp-python's server sends none) k
 prompt, and the runner counts both with the model's tokenizer after the run (``counting.py``), as
 ``vllm bench serve`` does; the record says which way it was counted (``token_source``).
 
+A stream whose connection breaks mid-body after an event with an ``id`` (a router that numbers its
+events: tandem's, docs/serving.md "Stream resumption") is resumed: the same request is sent again with
+``Last-Event-ID: <the last id>`` (the HTML standard's SSE reconnection), a bounded number of times within
+the request's deadline, and the rest of the stream is appended (``resumes`` counts the reconnections).
 A stream that ends before ``data: [DONE]``, or whose connection breaks mid-body, is ``incomplete``;
 whatever the server wrote that was not an SSE data line (a plain-text error, an ``event: error``
 block) is kept in the error message as the server's words.
@@ -53,6 +57,8 @@ class RequestRecord:
     text: str = ""
     served_by: dict = field(default_factory=dict)   # the router's X-Tandem-*-Worker headers, when it sends them
     resends: int = 0                        # times sent again after the connection failed before any answer
+    last_event_id: str | None = None        # the SSE id of the last event received (resumption)
+    resumes: int = 0                        # reconnections with Last-Event-ID after the stream broke
 
     @property
     def ok(self) -> bool:
@@ -86,6 +92,13 @@ class RequestRecord:
 
 #: failures after which nothing came back, so a request may be sent again (``Target.resend_s``)
 RESENDABLE = ("connect", "disconnected", "http_503")
+#: failures of a begun stream after which it is resumed (with its last event id), and of a resume
+#: attempt after which it is tried again: the stream broke, or the router is not back yet
+RESUMABLE = ("incomplete", "client_error", *RESENDABLE)
+#: reconnections of one broken stream at most, 0.5 s, 1 s, then 2 s apart: about 21 s in all, a
+#: restarting router's time (the thirteenth session's local soak needed 6-7 on a loaded machine),
+#: within the decode worker's resume grace (spec.router.streamResumeGraceSeconds, default 30 s)
+MAX_RESUMES = 12
 
 
 @dataclass
@@ -146,9 +159,20 @@ async def send(session: aiohttp.ClientSession, target: Target, req: BenchRequest
     again (after 0.5 s) a request whose connection failed before any answer, or that got a 503, within that many seconds
     of the first send and within ``target.timeout``."""
     rec.send_mono, rec.send_unix = time.monotonic(), time.time()
+    tries = 0   # resume attempts of this stream
     while True:
         await _send_once(session, target, req, rec, history)
         waited = time.monotonic() - rec.send_mono
+        if rec.last_event_id is not None and not rec.ok:
+            # a begun stream is never sent afresh (its tokens would repeat): resumed, or failed
+            delay = min(2.0, 0.5 * 2 ** tries)
+            if rec.error_kind not in RESUMABLE or tries >= MAX_RESUMES or waited + delay > target.timeout:
+                return rec
+            tries += 1
+            rec.resumes += 1
+            rec.status, rec.error_kind, rec.error, rec.end_mono = "ok", None, None, None
+            await asyncio.sleep(delay)
+            continue
         if rec.ok or rec.error_kind not in RESENDABLE or waited + 0.5 > min(target.resend_s, target.timeout):
             return rec
         rec.resends += 1
@@ -169,16 +193,19 @@ async def _send_once(session: aiohttp.ClientSession, target: Target, req: BenchR
     try:
         extra = target.headers() if callable(target.headers) else target.headers
         headers = {"X-Bench-Request-Id": rec.id, **extra}
+        if rec.last_event_id is not None:
+            headers["Last-Event-ID"] = rec.last_event_id
         if target.api_key:
             headers["Authorization"] = f"Bearer {target.api_key}"
         left = target.timeout - (time.monotonic() - rec.send_mono)
         async with session.post(target.url, json=body, headers=headers,
                                 timeout=aiohttp.ClientTimeout(total=left)) as r:
             head = True
-            rec.served_by = {k: v for k, v in r.headers.items() if k.startswith("X-Tandem-") and k.endswith("-Worker")}
+            served = {k: v for k, v in r.headers.items() if k.startswith("X-Tandem-") and k.endswith("-Worker")}
+            rec.served_by = served or rec.served_by   # a resumed stream's answer names no worker
             if r.status != 200:
                 return rec.fail(f"http_{r.status}", (await r.text())[:500])
-            done, usage, parts = False, None, []
+            done, usage = False, None
             buf = b""
             async for data in r.content.iter_any():
                 now = time.monotonic()
@@ -186,8 +213,11 @@ async def _send_once(session: aiohttp.ClientSession, target: Target, req: BenchR
                 *lines, buf = buf.split(b"\n")
                 for line in lines:
                     line = line.strip()
+                    if line.startswith(b"id:"):
+                        rec.last_event_id = line[3:].strip().decode("utf-8", "replace")
+                        continue
                     if not line.startswith(b"data:"):
-                        # SSE comments (":") and blank separators are not words; event:/id: lines are
+                        # SSE comments (":") and blank separators are not words; event: lines are
                         if line and not line.startswith(b":") and len(words) < 8:
                             words.append(line.decode("utf-8", "replace"))
                         continue
@@ -207,9 +237,8 @@ async def _send_once(session: aiohttp.ClientSession, target: Target, req: BenchR
                         if rec.first_token_mono is None:
                             rec.first_token_mono = now
                         rec.token_times_mono.append(now)
-                        parts.append(text)
+                        rec.text += text   # kept across a resumption
             rec.end_mono = time.monotonic()
-            rec.text = "".join(parts)
             if buf.strip():
                 words.append(buf.strip().decode("utf-8", "replace"))
             if not done:

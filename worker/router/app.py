@@ -11,14 +11,26 @@ prefill worker dies or stops answering (``HUNG_POLLS`` health polls in a row wit
 stopped process) is sent again to another worker; a stream that has begun and whose decode worker's
 connection breaks, or that gets nothing for ``stream_idle_timeout`` seconds, ends with an SSE error
 event in OpenAI's format, counted in ``tandem:router_stream_errors_total`` by reason.
+
+Stream resumption (docs/serving.md, "Stream resumption"): with ``stream_resume_grace`` > 0 (the spec's
+``router.streamResumeGraceSeconds``) every streamed request is opted in at its decode worker
+(tandem.worker.server.resumable), so every event relayed carries ``id: <stream id>:<index>``. A client
+whose connection to a router broke (the router was killed) sends the same request again, to any router
+of the pool, with ``Last-Event-ID: <the last id it got>`` (the HTML standard's SSE reconnection), and
+gets the rest of the stream. The stream id names the decode worker only by a key (a digest of its URL)
+that the router matches against the workers it discovered itself; the request passes the same auth as
+any other, and the worker gives the stream only to the client credential that opened it. A router
+whose client went away cancels the stream at its worker at once (its blocks are freed).
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import time
+import uuid
 
 import aiohttp
 from aiohttp import web
@@ -27,8 +39,9 @@ from tandem.worker.api import auth
 from tandem.worker.api.block_hash import block_hashes
 from tandem.worker.api.errors import InvalidRequestError, error_event
 from tandem.worker.api.peer_claim import CLAIM_HEADER
-from tandem.worker.api.http import (DEFAULT_MAX_REQUEST_BYTES, PREFILL_PEER_HEADER, TTFT_HEADER, json_error,
-                                    openai_app)
+from tandem.worker.api.http import (DEFAULT_MAX_REQUEST_BYTES, LAST_EVENT_ID_HEADER, PREFILL_PEER_HEADER,
+                                    STREAM_GRACE_HEADER, STREAM_ID, STREAM_ID_HEADER, STREAM_OWNER_HEADER,
+                                    TTFT_HEADER, json_error, openai_app, worker_key)
 from tandem.worker.api.openai import max_prompt_chars, read_request_async
 from tandem.worker.router.policy import WorkerState, decide, pick_decode
 from tandem.worker.api.metrics import Metrics, TokenTimer
@@ -71,6 +84,8 @@ class Router:
         stream_idle_timeout: seconds a begun stream may go without a byte from its decode worker before
             the router ends it with an error event (longer than a worker's 20 s stop in the chaos soak,
             which such streams then survive).
+        stream_resume_grace: seconds a decode worker keeps a stream whose router connection broke, for the
+            client to resume through any router (``Last-Event-ID``); 0: streams are not resumable.
         api_keys: the client API keys accepted (``Authorization: Bearer``), or None: open.
         pool_secret: the pool's shared secret, proved to the workers (``X-Tandem-Pool-Token``).
     """
@@ -81,7 +96,7 @@ class Router:
                  max_model_len: int | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                  api_keys: auth.KeyStore | None = None, pool_secret: bytes | None = None,
                  ready_without_workers: bool = False, unavailable_timeout: float = 5.0,
-                 stream_idle_timeout: float = 60.0):
+                 stream_idle_timeout: float = 60.0, stream_resume_grace: float = 0.0):
         self.model_name, self.tok, self.block_size = model_name, tokenizer, block_size
         self.char_limit = max_prompt_chars(tokenizer, max_model_len) if max_model_len else None
         self.max_request_bytes = max_request_bytes
@@ -94,6 +109,8 @@ class Router:
         self.max_model_len = max_model_len
         self.ready_without_workers = ready_without_workers
         self.stream_idle_timeout = stream_idle_timeout
+        self.stream_resume_grace = stream_resume_grace
+        self._cancels: set[asyncio.Task] = set()   # stream cancels sent after a client left
         self.metrics = Metrics("router", pool)
         self.api_keys = api_keys
         self.pool_secret = pool_secret
@@ -266,6 +283,8 @@ class Router:
                 req, ids = await read_request_async(raw, chat, self.model_name, self.tok, self.char_limit)
             except InvalidRequestError as e:
                 return json_error(str(e), e.status, e.field)
+            if req.stream and LAST_EVENT_ID_HEADER in request.headers:
+                return await self._resume(request, req)
             limit = self.context_limit()
             if limit is not None and len(ids) >= limit:
                 # before hashing: a million token ids would hold the event loop for a quarter second
@@ -310,6 +329,12 @@ class Router:
                     headers[PREFILL_PEER_HEADER] = d.prefill.url
                     if d.prefill.peer_claim:   # the decode worker connects only to a peer the pool vouched for
                         headers[CLAIM_HEADER] = d.prefill.peer_claim
+                stream_headers = {}
+                if req.stream and self.stream_resume_grace > 0:
+                    stream_headers = {STREAM_ID_HEADER: f"{worker_key(d.decode.url)}.{uuid.uuid4().hex}",
+                                      STREAM_OWNER_HEADER: _owner(request),
+                                      STREAM_GRACE_HEADER: f"{self.stream_resume_grace:g}"}
+                    headers.update(stream_headers)
                 with _Load(d) as load:
                     t_send = time.monotonic()
                     try:
@@ -352,7 +377,8 @@ class Router:
                     shown = self._worker_headers(request, d)
                     if req.stream and upstream.status == 200:
                         return await self._relay_stream(request, upstream, t0, client_usage, place, load.release,
-                                                        load.release_prefill, shown)
+                                                        load.release_prefill, shown,
+                                                        self._canceller(d.decode.url, stream_headers))
                     resp = await self._relay_full(upstream, t0, t_send, place)
                     resp.headers.update(shown)
                     return resp
@@ -410,7 +436,8 @@ class Router:
 
     async def _relay_stream(self, request, upstream: aiohttp.ClientResponse, t0: float,
                             client_usage: bool, place: str, on_last=lambda: None,
-                            on_first=lambda: None, extra_headers: dict | None = None) -> web.StreamResponse:
+                            on_first=lambda: None, extra_headers: dict | None = None,
+                            on_client_gone=lambda: None, observed: bool = False) -> web.StreamResponse:
         """Relay an SSE stream; ``on_first()`` runs at the first token, ``on_last()`` when the ``[DONE]``
         event arrives, both before the client gets them (the router's count of the workers' load drops
         there: see :class:`_Load`). The request's latencies are observed at ``[DONE]`` too, before the
@@ -419,12 +446,13 @@ class Router:
         A stream whose decode worker's connection breaks, or that gets nothing for
         ``stream_idle_timeout`` seconds, ends with an error event in OpenAI's format (``data:
         {"error": {...}}``, no ``[DONE]``, as the worker ends a stream whose engine died), counted by
-        reason; its tokens cannot move to another worker, so it is not retried."""
+        reason; its tokens cannot move to another worker, so it is not retried. A client that goes away
+        runs ``on_client_gone()`` (the explicit cancel of a resumable stream at its worker). A resumed
+        stream (``observed``) is not observed again: its latencies are not the client's."""
         resp = web.StreamResponse(status=upstream.status, headers={
             **{k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS}, **(extra_headers or {})})
         await resp.prepare(request)
         timer, buf, num_tokens = TokenTimer(t0), b"", 0
-        observed = False
 
         def observe():
             nonlocal observed
@@ -456,7 +484,7 @@ class Router:
                             if timer.ttft is None:
                                 on_first()
                             timer.tick()
-                        if ev.startswith(b"data: [DONE]"):
+                        if (_data(ev) or b"").startswith(b"[DONE]"):
                             on_last()
                             observe()
                         out.append(ev + b"\n\n")
@@ -464,17 +492,86 @@ class Router:
                         await resp.write(b"".join(out))
             except (ConnectionResetError, aiohttp.ClientConnectionResetError):
                 log.info("client went away mid-stream")   # leaving closes upstream; the worker aborts
+                on_client_gone()
                 return resp
+            except asyncio.CancelledError:   # the client went away (aiohttp's handler cancellation)
+                on_client_gone()
+                raise
             except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as e:
                 log.warning("decode worker broke the stream: %r", e)
                 broken = "decode_worker_lost"
         if broken is not None:
             return await self._end_broken(resp, broken)
+        # (resp.write raises CancelledError only while the handler is cancelled: handled above)
         if buf:
             await resp.write(buf)
         observe()   # a stream without [DONE]
         await resp.write_eof()
         return resp
+
+    def _canceller(self, decode_url: str, stream_headers: dict):
+        """``on_client_gone`` for a stream: a resumable one is cancelled at its worker at once (without
+        it the worker would keep it for the grace, as for a lost router); any other is aborted by its
+        closed connection alone."""
+        if not stream_headers:
+            return lambda: None
+
+        def cancel():
+            task = asyncio.ensure_future(self._cancel_stream(decode_url, stream_headers))
+            self._cancels.add(task)
+            task.add_done_callback(self._cancels.discard)
+        return cancel
+
+    async def _cancel_stream(self, decode_url: str, stream_headers: dict) -> None:
+        headers = {**auth.pool_headers(self.pool_secret), STREAM_ID_HEADER: stream_headers[STREAM_ID_HEADER],
+                   STREAM_OWNER_HEADER: stream_headers[STREAM_OWNER_HEADER]}
+        try:
+            async with self.session.post(decode_url + "/v1/streams/cancel", headers=headers,
+                                         timeout=aiohttp.ClientTimeout(total=5)) as r:
+                if r.status not in (200, 404):   # 404: it had finished meanwhile
+                    log.warning("cancelling stream at %s: HTTP %d", decode_url, r.status)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            log.warning("cancelling stream at %s failed (%r); the worker frees it after the grace", decode_url, e)
+
+    async def _resume(self, request: web.Request, req) -> web.StreamResponse:
+        """A client's reconnection (``Last-Event-ID: <stream id>:<index>``): the events after ``index``
+        of that stream, from the decode worker the id's key names among the workers this router
+        discovered itself (404 when none does, or the worker no longer has the stream for this client)."""
+        sid, _, index = request.headers[LAST_EVENT_ID_HEADER].strip().rpartition(":")
+        if not STREAM_ID.match(sid) or not index.isdigit() or len(index) > 9:
+            return json_error(f"{LAST_EVENT_ID_HEADER} is not an event id of this pool's streams", 400,
+                              LAST_EVENT_ID_HEADER)
+        key = sid.split(".")[0]
+        url = next((u for u in self.discovery.decode_urls() if worker_key(u) == key), None)
+        if url is None:
+            self._resumed("unknown_worker")
+            return json_error("the stream's decode worker is not in this pool any more: it cannot be resumed", 404)
+        owner = {STREAM_ID_HEADER: sid, STREAM_OWNER_HEADER: _owner(request)}
+        headers = {**auth.pool_headers(self.pool_secret), **owner, LAST_EVENT_ID_HEADER: index}
+        try:
+            upstream = await self.session.post(url + "/v1/streams/resume", headers=headers)
+        except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
+            self._resumed("unreachable")
+            return json_error(f"the stream's decode worker cannot be reached ({type(e).__name__})", 502)
+        if upstream.status != 200:
+            body = await upstream.read()
+            upstream.release()
+            self._resumed("not_found" if upstream.status == 404 else "refused")
+            return web.Response(body=body, status=upstream.status, content_type="application/json")
+        self._resumed("resumed")
+        log.info("resuming stream %s after event %s at %s", sid, index, url)
+        w = self.workers.get(url)
+        if w is not None:
+            w.in_flight += 1
+        try:
+            return await self._relay_stream(request, upstream, time.monotonic(), req.include_usage, "local",
+                                            on_client_gone=self._canceller(url, owner), observed=True)
+        finally:
+            if w is not None:
+                w.in_flight -= 1
+
+    def _resumed(self, outcome: str) -> None:
+        self.metrics.router_stream_resumes.labels(**self.metrics.labels, outcome=outcome).inc()
 
     async def _end_broken(self, resp: web.StreamResponse, reason: str) -> web.StreamResponse:
         """End a begun stream whose decode worker failed it: an OpenAI error event, counted."""
@@ -533,12 +630,28 @@ class _Load:
         self.release()
 
 
+def _owner(request: web.Request) -> str:
+    """A digest of the client's credential (its API key; "" on an open pool): only a client with the
+    same may resume or cancel the stream it opens."""
+    cred = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+    return hashlib.sha256(b"tandem-stream-owner\0" + cred).hexdigest()[:32]
+
+
+def _data(event: bytes) -> bytes | None:
+    """The ``data:`` field of one SSE event (which may carry an ``id:`` line too), or None."""
+    for line in event.split(b"\n"):
+        if line.startswith(b"data: "):
+            return line[6:]
+    return None
+
+
 def _event_json(event: bytes) -> dict | None:
     """The JSON object of one SSE ``data:`` event; None for [DONE] and anything else."""
-    if not event.startswith(b"data: ") or event.startswith(b"data: [DONE]"):
+    data = _data(event)
+    if data is None or data.startswith(b"[DONE]"):
         return None
     try:
-        obj = json.loads(event[6:])
+        obj = json.loads(data)
     except ValueError:
         return None
     return obj if isinstance(obj, dict) else None

@@ -6,6 +6,7 @@ prefill peer (header ``X-Tandem-Prefill-Peer``), in which case the prompt's KV i
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -15,14 +16,16 @@ from aiohttp import web
 
 from tandem.worker.api import auth
 from tandem.worker.api.errors import InvalidRequestError, error_event
-from tandem.worker.api.http import (DEFAULT_MAX_REQUEST_BYTES, PREFILL_PEER_HEADER, TTFT_HEADER, json_error,
-                                    openai_app)
+from tandem.worker.api.http import (DEFAULT_MAX_REQUEST_BYTES, LAST_EVENT_ID_HEADER, PREFILL_PEER_HEADER,
+                                    STREAM_GRACE_HEADER, STREAM_ID_HEADER, STREAM_OWNER_HEADER, TTFT_HEADER,
+                                    json_error, openai_app)
 from tandem.worker.api.openai import max_prompt_chars, read_request_async
-from tandem.worker.api.sampling import faults_enabled
 from tandem.worker.engine.async_engine import AsyncEngine, EngineDead
 from tandem.worker.engine.sequence import SamplingParams
 from tandem.worker.api.metrics import Metrics, TokenTimer
 from tandem.worker.server.responses import ResponseBuilder
+from tandem.worker.server.resumable import STREAM_ID, StreamRegistry
+from tandem.worker.server.startup import worker_routes
 from tandem.worker.api import peer_claim
 from tandem.worker.transfer import remote_prefill
 from tandem.worker.transfer.tcp import KVTransferServer
@@ -68,6 +71,7 @@ class WorkerServer:
         self.session: aiohttp.ClientSession | None = None
         self.peers: remote_prefill.PrefillPeers | None = None
         self.api_keys, self.pool_secret = api_keys, pool_secret
+        self.streams = StreamRegistry()   # streams the router opted into resumption
         if kv_server is not None:
             kv_server.on_sent = self._on_sent
             kv_server.on_refused = lambda: self.metrics.auth_refused("kv")
@@ -77,13 +81,8 @@ class WorkerServer:
         self.metrics.kv_transfer_seconds.observe(seconds)
 
     def app(self) -> web.Application:
-        app = auth.install(openai_app(self, self.max_request_bytes), self.api_keys, self.pool_secret,
-                           self.metrics.auth_refused)
-        app.router.add_post("/drain", self.drain)
-        app.router.add_get("/drain", self.drain_status)
-        if faults_enabled():   # tests only: TANDEM_FAULT_INJECTION=1
-            app.router.add_post("/fault/engine", self.fault_engine)
-        return app
+        return worker_routes(auth.install(openai_app(self, self.max_request_bytes), self.api_keys,
+                                          self.pool_secret, self.metrics.auth_refused), self)
 
     async def fault_engine(self, request: web.Request) -> web.Response:
         """Test hook: make the engine thread die as a broken model would (the process then exits)."""
@@ -124,6 +123,8 @@ class WorkerServer:
             "kv_port": self.kv_port, "num_blocks": bm.num_blocks, "free_blocks": bm.num_free_blocks,
             "kv_cache_usage": bm.usage(), "in_flight": self.pending(), "draining": self.draining,
             "num_requests": len(self.engine.seqs),
+            # streams kept for a resume (their router connection broke), and those aborted unresumed
+            "resumable_streams": len(self.streams.streams), "streams_expired": self.streams.expired,
             "block_size": self.engine.config.block_size, "max_model_len": self.engine.max_model_len,
             "kv_capacity_tokens": bm.num_blocks * self.engine.config.block_size,
             # the model's identity (content, resolved dtype, quantization): the router pairs only
@@ -192,35 +193,133 @@ class WorkerServer:
                 if self.role == "decode" and auth.from_pool(request, self.pool_secret) else None
             gen = remote_prefill.generate(self.aengine, rid, ids, params, peer, self.peers, self.metrics,
                                           deadline=self.transfer_deadline)
-            # aclosing: however this handler ends (finished, client gone, cancelled), the generator
-            # is closed here and now, which aborts the request and frees its blocks
+            resume = self._resume_opt_in(request) if req.stream else None
+            # however this handler ends (finished, client gone, cancelled), the generator is closed here
+            # and now, which aborts the request and frees its blocks; unless it was handed to a
+            # resumable stream's producer task, which then owns it
             ended = False   # finished, or refused before it was admitted; anything else is an abort
+            handed = False
             try:
-                async with contextlib.aclosing(gen):
-                    try:
-                        first = await gen.__anext__()
-                    except InvalidRequestError as e:
-                        ended = True
-                        if chat and e.field == "prompt":   # a chat request has no prompt field: name messages
-                            e = InvalidRequestError("messages", e.message)
-                        return json_error(str(e), 400, e.field)
-                    except EngineDead as e:
-                        return json_error(str(e), 500)
-                    builder = ResponseBuilder(chat, self.model_name, self.engine.tokenizer, len(ids))
-                    timer = TokenTimer(t0)
+                try:
+                    first = await gen.__anext__()
+                except InvalidRequestError as e:
+                    ended = True
+                    if chat and e.field == "prompt":   # a chat request has no prompt field: name messages
+                        e = InvalidRequestError("messages", e.message)
+                    return json_error(str(e), 400, e.field)
+                except EngineDead as e:
+                    return json_error(str(e), 500)
+                builder = ResponseBuilder(chat, self.model_name, self.engine.tokenizer, len(ids))
+                timer = TokenTimer(t0)
 
-                    def finish(last):
-                        nonlocal ended
-                        ended = True
-                        self._finished(last, t0, timer, first)
-                    if req.stream:
-                        return await self._stream(request, req, builder, first, gen, timer, finish)
-                    return await self._collect(builder, first, gen, timer, finish)
+                def finish(last):
+                    nonlocal ended
+                    ended = True
+                    self._finished(last, t0, timer, first)
+                if resume is not None:
+                    stream = self.streams.open(*resume)
+                    stream.task = asyncio.create_task(
+                        self._produce(stream, req, builder, first, gen, timer, finish))
+                    handed = ended = True   # the producer owns the generator, and counts its own end
+                    return await self._read(request, stream, -1)
+                if req.stream:
+                    return await self._stream(request, req, builder, first, gen, timer, finish)
+                return await self._collect(builder, first, gen, timer, finish)
             finally:
+                if not handed:
+                    await gen.aclose()
                 if not ended:
                     self._count("abort")
         finally:
             self.in_flight -= 1
+
+    # ---- resumable streams (tandem.worker.server.resumable) ---------------------------------
+    def _resume_opt_in(self, request: web.Request) -> tuple[str, str, float] | None:
+        """``(stream id, owner, grace seconds)`` when the router opted this stream into resumption (a
+        pool request with a well-formed id not in use and a grace > 0), else None: today's behaviour."""
+        sid = request.headers.get(STREAM_ID_HEADER)
+        if sid is None or not auth.from_pool(request, self.pool_secret) or not STREAM_ID.match(sid) \
+                or sid in self.streams.streams:
+            return None
+        try:
+            grace = float(request.headers.get(STREAM_GRACE_HEADER, "0"))
+        except ValueError:
+            return None
+        if not grace > 0:
+            return None
+        return sid, request.headers.get(STREAM_OWNER_HEADER, "")[:128], grace
+
+    async def _produce(self, stream, req, builder, first, gen, timer, finish) -> None:
+        """Generate a resumable stream's events into its buffer, whoever reads them. Counts in
+        ``in_flight`` (a drain waits for it); cancelled (the client left, or nobody resumed within the
+        grace), it closes the generator: the request is aborted and its blocks freed."""
+        done = False
+
+        def fin(last):
+            nonlocal done
+            done = True
+            finish(last)
+
+        async def write(data: bytes) -> None:
+            stream.append(data)
+        self.in_flight += 1
+        try:
+            async with contextlib.aclosing(gen):
+                await self._events(write, req, builder, first, gen, timer, fin)
+        except EngineDead as e:
+            stream.append(error_event(str(e)))
+        finally:
+            stream.close()
+            if not done:
+                self._count("abort")
+            self.in_flight -= 1
+
+    async def _read(self, request: web.Request, stream, after: int) -> web.StreamResponse:
+        """One reader of a resumable stream: the events after index ``after``, then the live ones."""
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        try:
+            await self.streams.serve(stream, resp.write, after)
+            await resp.write_eof()
+        except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+            log.info("the reader of stream %s went away", stream.sid)
+        return resp
+
+    def _stream_of(self, request: web.Request):
+        """The stream a pool request names (id and owner), or an error response."""
+        refused = auth.pool_only(request, self.pool_secret, self.metrics.auth_refused, self.api_keys)
+        if refused is not None:
+            return refused
+        sid = request.headers.get(STREAM_ID_HEADER, "")
+        stream = self.streams.get(sid, request.headers.get(STREAM_OWNER_HEADER, "")) if STREAM_ID.match(sid) else None
+        if stream is None:
+            return json_error("no such stream here (finished, expired after its grace, or cancelled)", 404)
+        return stream
+
+    async def resume_stream(self, request: web.Request) -> web.StreamResponse:
+        """``POST /v1/streams/resume`` (the pool only; headers ``X-Tandem-Stream-Id``, ``X-Tandem-Stream-Owner``
+        and ``Last-Event-ID: <index>``): the stream's events after that index, then the live ones.
+        404 when the stream is not here or has another owner; 400 for an index it never sent."""
+        stream = self._stream_of(request)
+        if isinstance(stream, web.Response):
+            return stream
+        try:
+            after = int(request.headers.get(LAST_EVENT_ID_HEADER, ""))
+            if not -1 <= after < len(stream.events):
+                raise ValueError(after)
+        except ValueError:
+            return json_error(f"{LAST_EVENT_ID_HEADER} must be the index of an event this stream sent "
+                              f"(0 to {len(stream.events) - 1})", 400, LAST_EVENT_ID_HEADER)
+        return await self._read(request, stream, after)
+
+    async def cancel_stream(self, request: web.Request) -> web.Response:
+        """``POST /v1/streams/cancel`` (the pool only; the stream's id and owner headers): abort the stream
+        now and free its blocks (the router's client went away)."""
+        stream = self._stream_of(request)
+        if isinstance(stream, web.Response):
+            return stream
+        self.streams.cancel(stream)
+        return web.json_response({"cancelled": stream.sid})
 
     async def _collect(self, builder, first, gen, timer, finish):
         """The whole answer as one JSON body, or a 500 when the engine died on the way; ``finish(last
@@ -249,26 +348,8 @@ class WorkerServer:
         the client left or the engine died mid-stream."""
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
-        out = first
         try:
-            if builder.chat:
-                await resp.write(builder.role_chunk())
-            async with contextlib.aclosing(_chain(first, gen)) as outs:
-                async for out in outs:
-                    if out.finish_reason == "error":
-                        finish(out)
-                        await resp.write(error_event(f"the request failed: {out.error}"))
-                        await resp.write(builder.DONE)
-                        await resp.write_eof()
-                        return resp
-                    if out.new_text:
-                        timer.tick()
-                    if out.new_text or out.finished or out.logprobs:
-                        await resp.write(builder.delta_chunk(out.new_text, out.finish_reason, out.logprobs))
-            if req.include_usage:
-                await resp.write(builder.usage_chunk(out.num_output_tokens))
-            finish(out)
-            await resp.write(builder.DONE)
+            await self._events(resp.write, req, builder, first, gen, timer, finish)
             await resp.write_eof()
         except (ConnectionResetError, aiohttp.ClientConnectionResetError):
             log.info("client went away mid-stream")
@@ -277,6 +358,28 @@ class WorkerServer:
             with contextlib.suppress(ConnectionResetError, aiohttp.ClientConnectionResetError):
                 await resp.write(error_event(str(e)))
         return resp
+
+    async def _events(self, write, req, builder, first, gen, timer, finish) -> None:
+        """Write (``await write(bytes)``) a stream's SSE events, ``[DONE]`` last; raises EngineDead when
+        the engine died mid-stream."""
+        out = first
+        if builder.chat:
+            await write(builder.role_chunk())
+        async with contextlib.aclosing(_chain(first, gen)) as outs:
+            async for out in outs:
+                if out.finish_reason == "error":
+                    finish(out)
+                    await write(error_event(f"the request failed: {out.error}"))
+                    await write(builder.DONE)
+                    return
+                if out.new_text:
+                    timer.tick()
+                if out.new_text or out.finished or out.logprobs:
+                    await write(builder.delta_chunk(out.new_text, out.finish_reason, out.logprobs))
+        if req.include_usage:
+            await write(builder.usage_chunk(out.num_output_tokens))
+        finish(out)
+        await write(builder.DONE)
 
     def _count(self, reason: str) -> None:
         self.metrics.requests.labels(**self.metrics.labels, finished_reason=reason).inc()

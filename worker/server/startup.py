@@ -30,6 +30,19 @@ log = logging.getLogger(__name__)
 PHASES = ("reading", "converting", "profiling", "capturing", "ready")
 
 
+def worker_routes(app: web.Application, h) -> web.Application:
+    """Add the routes a worker serves beside :func:`openai_app`'s, handled by ``h`` (the
+    :class:`tandem.worker.server.app.WorkerServer`, or the front that stands in for it while it starts)."""
+    app.router.add_post("/drain", h.drain)
+    app.router.add_get("/drain", h.drain_status)
+    # stream resumption, the pool only (tandem.worker.server.resumable)
+    app.router.add_post("/v1/streams/resume", h.resume_stream)
+    app.router.add_post("/v1/streams/cancel", h.cancel_stream)
+    if faults_enabled():   # tests only: TANDEM_FAULT_INJECTION=1 (WorkerServer.fault_engine)
+        app.router.add_post("/fault/engine", h.fault_engine)
+    return app
+
+
 class StartupStatus:
     """Where startup is; updated from the engine's thread, read from the event loop.
 
@@ -88,12 +101,8 @@ class StartingWorker:
     def app(self, max_request_bytes: int, api_keys=None, pool_secret: bytes | None = None) -> web.Application:
         """The worker's app: the same routes and the same auth check (:func:`tandem.worker.api.auth.install`)
         as :meth:`WorkerServer.app`, refusals counted by the attached server's metrics."""
-        app = auth.install(openai_app(self, max_request_bytes), api_keys, pool_secret, self._refused)
-        app.router.add_post("/drain", self.drain)
-        app.router.add_get("/drain", self.drain_status)
-        if faults_enabled():   # tests only: TANDEM_FAULT_INJECTION=1 (WorkerServer.fault_engine)
-            app.router.add_post("/fault/engine", self.fault_engine)
-        return app
+        return worker_routes(auth.install(openai_app(self, max_request_bytes), api_keys, pool_secret,
+                                          self._refused), self)
 
     def _refused(self, what: str) -> None:
         if self.server is not None:
@@ -133,5 +142,7 @@ class StartingWorker:
     chat_completions = _delegate("chat_completions")
     drain = _delegate("drain")
     drain_status = _delegate("drain_status")
+    resume_stream = _delegate("resume_stream")
+    cancel_stream = _delegate("cancel_stream")
     fault_engine = _delegate("fault_engine")
     del _delegate
