@@ -24,5 +24,12 @@ if [[ $(id -u) -eq 0 ]]; then   # the operator suite needs root (network namespa
   fi
   echo "test.sh: test cluster ready ($((SECONDS - t0)) s)"
 fi
+# Two pytest-xdist workers, each running whole groups of tests (tests/xdist_groups.py): the
+# operator suite and the e2e story mostly wait on the API server and on autoscaler windows, so the
+# other worker runs the CPU-bound suites meanwhile. TANDEM_TEST_WORKERS=0 runs every test in this
+# process, one at a time (as before; e.g. to read a failing test's output in order).
 # --durations=30: the slowest tests in every log (CI included), to see where the time goes
-exec python -m pytest -ra --durations=30 "$@"
+workers=${TANDEM_TEST_WORKERS:-2}
+dist=(-n "$workers")
+[[ $workers != 0 ]] && dist+=(--dist loadgroup)
+exec python -m pytest -ra --durations=30 "${dist[@]}" "$@"

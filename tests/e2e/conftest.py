@@ -1,6 +1,7 @@
 """The e2e suite runs on the operator suite's test cluster (tests/operator/operator_helpers.py): the
 same fixtures, held for this suite's module only, so that one cluster runs at a time in a whole-tree
-session (both clusters pick their pod subnet from the PID)."""
+session (both clusters pick their pod subnet from the PID; under pytest-xdist both suites run in one
+worker: tests/xdist_groups.py)."""
 from __future__ import annotations
 
 import os
