@@ -20,6 +20,7 @@ SHARED_GROUPS = {
     "tests/serving/test_engine_faults.py": "serving-fleet",
     "tests/serving/test_faults.py": "serving-fleet",
     "tests/serving/test_fleet.py": "serving-fleet",
+    "tests/serving/test_stream_resume.py": "serving-fleet",
     "tests/engine/test_reference.py": "transformers",
     "tests/engine/test_cpu_dtypes.py": "transformers",
 }
