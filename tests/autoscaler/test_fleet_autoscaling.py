@@ -216,6 +216,18 @@ def test_scale_to_zero_pool_wakes_on_the_first_request():
         fleet.stop(grace=10)
 
 
+def _one_to_two_decode(name: str):
+    """A fleet of 1 prefill and 1-2 decode replicas (quick to scale up, slow to scale down) and its
+    autoscaler (not started), for the dead-replica tests."""
+    fleet = _fleet({"spec.prefill": {"replicas": 1, "resources": CPU},
+                    "spec.decode": {"resources": CPU, "autoscaling": {
+                        "enabled": True, "minReplicas": 1, "maxReplicas": 2,
+                        "target": {"metric": "tpot", "percentile": 90, "seconds": 1.0},
+                        "behavior": {"scaleUp": {"stabilizationWindowSeconds": 0, "maxStep": 1, "periodSeconds": 1},
+                                     "scaleDown": {"stabilizationWindowSeconds": 600}}}}}, name)
+    return fleet, FleetAutoscaler(fleet, window_s=4, interval_s=1, startup_s=10)
+
+
 @pytest.mark.timeout(300)
 def test_a_hung_decode_worker_is_not_capacity_and_is_replaced(tmp_path):
     """A SIGSTOPped decode worker has not exited, so the fleet still calls it ready; the autoscaler must
@@ -225,13 +237,7 @@ def test_a_hung_decode_worker_is_not_capacity_and_is_replaced(tmp_path):
     The Prometheus source, beside it on a real Prometheus, counts the hung worker out too (its target's
     ``up`` is 0) and back in once it answers.
     Real processes; no load (the idle signal sizes to minReplicas, so the counts alone decide)."""
-    fleet = _fleet({"spec.prefill": {"replicas": 1, "resources": CPU},
-                    "spec.decode": {"resources": CPU, "autoscaling": {
-                        "enabled": True, "minReplicas": 1, "maxReplicas": 2,
-                        "target": {"metric": "tpot", "percentile": 90, "seconds": 1.0},
-                        "behavior": {"scaleUp": {"stabilizationWindowSeconds": 0, "maxStep": 1, "periodSeconds": 1},
-                                     "scaleDown": {"stabilizationWindowSeconds": 600}}}}}, "ashung")
-    loop = FleetAutoscaler(fleet, window_s=4, interval_s=1, startup_s=10)
+    fleet, loop = _one_to_two_decode("ashung")
     hung = fleet.workers("decode")[0]
     prom = Prometheus(tmp_path / "prom")
     shadow = None
@@ -288,13 +294,7 @@ def test_a_crashed_worker_does_not_freeze_the_autoscaler():
     once, as for a hung worker. Failed before the fix: every worker not ready, a crashed one included,
     made the snapshot ``rolling_out``, and the policy held every decision of both roles (``limitedBy:
     rollout``) until the crashed worker was back; then nothing was started."""
-    fleet = _fleet({"spec.prefill": {"replicas": 1, "resources": CPU},
-                    "spec.decode": {"resources": CPU, "autoscaling": {
-                        "enabled": True, "minReplicas": 1, "maxReplicas": 2,
-                        "target": {"metric": "tpot", "percentile": 90, "seconds": 1.0},
-                        "behavior": {"scaleUp": {"stabilizationWindowSeconds": 0, "maxStep": 1, "periodSeconds": 1},
-                                     "scaleDown": {"stabilizationWindowSeconds": 600}}}}}, "ascrash")
-    loop = FleetAutoscaler(fleet, window_s=4, interval_s=1, startup_s=10)
+    fleet, loop = _one_to_two_decode("ascrash")
     victim = fleet.workers("decode")[0]
     try:
         loop.start()
