@@ -154,11 +154,14 @@ class LocalFleet:
             return [p for p in self.procs if p.role != "router" and (role is None or p.role == role)]
 
     def write_discovery(self) -> None:
-        """The router's view: ready workers only (a starting one is not ready, a draining one is leaving)."""
+        """The router's view: ready workers only (a starting one is not ready, a draining one is leaving),
+        and under ``resumable`` the decode workers a stream may still be resumed on (ready or draining)."""
         with self.lock:
             d = {role: [p.url for p in self.procs if p.role == role and p.state == "ready"]
                  for role in ("prefill", "decode")}
             d["absorbBursts"] = self.absorb_bursts
+            # a draining decode worker still holds streams a client may resume (the router's resume)
+            d["resumable"] = [p.url for p in self.procs if p.role == "decode" and p.state in ("ready", "draining")]
             tmp = self.discovery_file.with_suffix(".tmp")
             tmp.write_text(json.dumps(d))
             os.replace(tmp, self.discovery_file)

@@ -29,6 +29,19 @@ def test_the_file_is_read_again_when_it_changes(tmp_path):
     assert d.prefill_urls() == ["http://p0"]
 
 
+def test_a_draining_decode_worker_stays_resumable(tmp_path):
+    """The local fleet takes a draining worker out of routing but lists it under ``resumable``: it still
+    holds streams a client may resume through the router (the thirteenth session's chaos soak lost one
+    when the router's resume looked in the routable list only). A file without the key (an older
+    fleet's) resumes on the routable decode workers."""
+    f = tmp_path / "d.json"
+    _write(f, {"prefill": [], "decode": ["http://d0"], "resumable": ["http://d0", "http://d1"]})
+    d = make_discovery({"mode": "static", "file": str(f)})
+    assert d.decode_urls() == ["http://d0"] and d.resumable_urls() == ["http://d0", "http://d1"]
+    _write(f, {"prefill": [], "decode": ["http://d2"]})
+    assert d.resumable_urls() == ["http://d2"]
+
+
 def test_burst_absorption_prefills_locally_only_with_headroom():
     prefill = [WorkerState("http://p", num_blocks=100, free_blocks=100)]
     roomy = WorkerState("http://d", num_blocks=100, free_blocks=80)

@@ -97,6 +97,11 @@ def test_a_stream_survives_its_router_killed_mid_stream(fleet):
 
     # the fleet restarts the router (its supervisor's round, run here)
     assert wait_for(lambda: router.popen.poll() is not None, timeout=10)
+    # the whole answer made and held unread: the worker still counts it in flight, so a drain waits for
+    # it (the thirteenth session's soak: a decode worker drained and exited with such a stream unread)
+    assert wait_for(lambda: (lambda h: h["num_requests"] == 0 and h["resumable_streams"] == 1)(_health(decode)),
+                    timeout=30)
+    assert _health(decode)["in_flight"] >= 1
     assert wait_for(lambda: fleet.refresh() is not None and router.state == "ready", timeout=120)
     rest: list = []
     r2 = requests.post(fleet.endpoint + "/v1/completions", json=_body(64), stream=True, timeout=60,

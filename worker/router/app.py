@@ -542,7 +542,7 @@ class Router:
             return json_error(f"{LAST_EVENT_ID_HEADER} is not an event id of this pool's streams", 400,
                               LAST_EVENT_ID_HEADER)
         key = sid.split(".")[0]
-        url = next((u for u in self.discovery.decode_urls() if worker_key(u) == key), None)
+        url = next((u for u in self.discovery.resumable_urls() if worker_key(u) == key), None)
         if url is None:
             self._resumed("unknown_worker")
             return json_error("the stream's decode worker is not in this pool any more: it cannot be resumed", 404)

@@ -27,6 +27,10 @@ class StaticDiscovery:
     def decode_urls(self) -> list[str]:
         return self._decode
 
+    def resumable_urls(self) -> list[str]:
+        """Decode workers that may hold a stream to resume: the routable ones and those draining."""
+        return self.decode_urls()
+
     def absorb_bursts(self) -> bool:
         """Whether the autoscaler asks for local prefill on decode workers with headroom."""
         return False
@@ -40,6 +44,7 @@ class FileDiscovery(StaticDiscovery):
 
     def __init__(self, path: str):
         super().__init__([], [])
+        self._resumable: list[str] = []
         self.path = path
         self._seen: tuple | None = None
         self._absorb = False
@@ -62,6 +67,7 @@ class FileDiscovery(StaticDiscovery):
             return
         self._seen, self._prefill, self._decode = key, prefill, decode
         self._absorb = bool(d.get("absorbBursts", False))
+        self._resumable = list(d.get("resumable", decode))
 
     def prefill_urls(self) -> list[str]:
         self._refresh()
@@ -74,6 +80,12 @@ class FileDiscovery(StaticDiscovery):
     def absorb_bursts(self) -> bool:
         self._refresh()
         return self._absorb
+
+    def resumable_urls(self) -> list[str]:
+        """The ready decode workers and those draining (the file's ``resumable``): a draining worker
+        is out of routing but still serves the streams it holds."""
+        self._refresh()
+        return self._resumable
 
 
 def make_discovery(spec: dict | None):

@@ -204,3 +204,8 @@ class KubernetesEndpointsDiscovery:
 
     def decode_urls(self) -> list[str]:
         return list(self._watchers[1].urls) if len(self._watchers) > 1 else []
+
+    def resumable_urls(self) -> list[str]:
+        """Decode workers a stream may be resumed on: the ready endpoints (a terminating pod leaves them,
+        so a stream held on a pod being drained is not resumed: bench/RESULTS.md, thirteenth session)."""
+        return self.decode_urls()

@@ -112,8 +112,11 @@ class WorkerServer:
 
     # ---- status routes ----------------------------------------------------------------------
     def pending(self) -> int:
-        """Requests and KV transfers still in flight (drain waits for 0)."""
-        return self.in_flight + (self.kv_server.active if self.kv_server else 0)
+        """Requests, KV transfers and resumable streams still held (drain waits for 0): a stream that lost
+        its reader is held for its grace, and a worker that exits then loses a stream a client is about
+        to resume (the chaos soak's one avoidable failure: a router killed, then its decode worker
+        drained and exited with the stream's events unread)."""
+        return self.in_flight + (self.kv_server.active if self.kv_server else 0) + len(self.streams.streams)
 
     async def health(self, request: web.Request) -> web.Response:
         bm = self.engine.block_manager
