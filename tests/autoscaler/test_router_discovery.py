@@ -98,3 +98,21 @@ def test_a_worker_that_drops_out_of_discovery_for_a_moment_keeps_its_count():
     lists["decode"] = ["http://b"]
     asyncio.run(r.poll_once())
     assert "http://a" not in r.workers                        # idle and gone: forgotten
+
+
+def test_a_not_ready_endpoint_is_out_of_routing_but_resumable():
+    """On Kubernetes a draining decode worker turns not-ready: it leaves routing, but a stream it holds
+    can still be resumed on it (``KubernetesEndpointsDiscovery.resumable_urls``), from EndpointSlices or
+    from core/v1 Endpoints."""
+    from tandem.worker.router.discovery_k8s import ready_urls, slice_ready_urls
+    slices = [{"ports": [{"port": 8000}], "endpoints": [
+        {"addresses": ["10.0.0.1"], "conditions": {"ready": True}},
+        {"addresses": ["10.0.0.2"], "conditions": {"ready": False, "terminating": True}},
+        {"addresses": ["10.0.0.3"]}]}]
+    assert slice_ready_urls(slices, 8000) == ["http://10.0.0.1:8000", "http://10.0.0.3:8000"]
+    assert slice_ready_urls(slices, 8000, not_ready=True) == [
+        "http://10.0.0.1:8000", "http://10.0.0.2:8000", "http://10.0.0.3:8000"]
+    endpoints = {"subsets": [{"ports": [{"port": 8000}], "addresses": [{"ip": "10.0.0.1"}],
+                              "notReadyAddresses": [{"ip": "10.0.0.2"}]}]}
+    assert ready_urls(endpoints, 8000) == ["http://10.0.0.1:8000"]
+    assert ready_urls(endpoints, 8000, not_ready=True) == ["http://10.0.0.1:8000", "http://10.0.0.2:8000"]

@@ -61,30 +61,32 @@ def slice_version(api_client) -> Optional[str]:
 _url = worker_url
 
 
-def ready_urls(endpoints: dict | None, port: int) -> list[str]:
-    """http://IP:port for every ready address of an Endpoints object (as a plain dict), sorted."""
+def ready_urls(endpoints: dict | None, port: int, not_ready: bool = False) -> list[str]:
+    """http://IP:port for every ready address of an Endpoints object (as a plain dict), sorted; with
+    ``not_ready``, the not-ready ones too."""
     if not endpoints:
         return []
     urls = set()
     for subset in endpoints.get("subsets") or []:
         ports = [p.get("port") for p in subset.get("ports") or []]
         use = port if (not ports or port in ports) else ports[0]
-        for a in subset.get("addresses") or []:
+        for a in (subset.get("addresses") or []) + ((subset.get("notReadyAddresses") or []) if not_ready else []):
             ip = a.get("ip")
             if ip:
                 urls.add(_url(ip, use))
     return sorted(urls)
 
 
-def slice_ready_urls(slices: list[dict], port: int) -> list[str]:
+def slice_ready_urls(slices: list[dict], port: int, not_ready: bool = False) -> list[str]:
     """http://IP:port for every ready endpoint of a Service's EndpointSlices (plain dicts), sorted.
-    A missing `ready` condition counts as ready, as the API documents."""
+    A missing `ready` condition counts as ready, as the API documents; with ``not_ready``, every
+    endpoint (a draining or terminating pod's too)."""
     urls = set()
     for s in slices:
         ports = [p.get("port") for p in s.get("ports") or [] if p.get("port")]
         use = port if (not ports or port in ports) else ports[0]
         for ep in s.get("endpoints") or []:
-            if (ep.get("conditions") or {}).get("ready") is False:
+            if not not_ready and (ep.get("conditions") or {}).get("ready") is False:
                 continue
             for ip in ep.get("addresses") or []:
                 urls.add(_url(ip, use))
@@ -95,7 +97,7 @@ class _Watcher:
     """Lists, then watches, the objects `list_fn(**selector)` returns; `urls_of(objects)` turns them
     into ready URLs. Relists with backoff on any error."""
 
-    def __init__(self, name: str, list_fn: Callable, selector: dict, urls_of: Callable[[list[dict]], list[str]],
+    def __init__(self, name: str, list_fn: Callable, selector: dict, urls_of: Callable[..., list[str]],
                  to_dict: Callable, on_change):
         self.name, self.list_fn, self.selector, self.urls_of, self.to_dict = name, list_fn, selector, urls_of, to_dict
         self.urls: list[str] = []
@@ -104,6 +106,10 @@ class _Watcher:
         self.stopped = threading.Event()
         self.synced = threading.Event()
         self.thread = threading.Thread(target=self._run, name=f"discovery-{name}", daemon=True)
+
+    def all_urls(self) -> list[str]:
+        """Every endpoint's URL, ready or not (``urls_of(objects, not_ready=True)``)."""
+        return self.urls_of(list(self.objs.values()), not_ready=True)
 
     def _update(self) -> None:
         urls = self.urls_of(list(self.objs.values()))
@@ -189,7 +195,8 @@ class KubernetesEndpointsDiscovery:
                 out.append(_Watcher(f"{self.namespace}/{svc}",
                                     functools.partial(core.list_namespaced_endpoints, self.namespace),
                                     {"field_selector": f"metadata.name={svc}"},
-                                    lambda objs: ready_urls(objs[0] if objs else None, self.port),
+                                    lambda objs, not_ready=False: ready_urls(objs[0] if objs else None, self.port,
+                                                                             not_ready),
                                     api.sanitize_for_serialization, self._changed))
         log.info("discovery: %s", f"{SLICE_GROUP}/{self.api_version} EndpointSlices" if self.api_version
                  else "core/v1 Endpoints (no EndpointSlice API served)")
@@ -206,6 +213,7 @@ class KubernetesEndpointsDiscovery:
         return list(self._watchers[1].urls) if len(self._watchers) > 1 else []
 
     def resumable_urls(self) -> list[str]:
-        """Decode workers a stream may be resumed on: the ready endpoints (a terminating pod leaves them,
-        so a stream held on a pod being drained is not resumed: bench/RESULTS.md, thirteenth session)."""
-        return self.decode_urls()
+        """Decode workers a stream may be resumed on: every endpoint of the decode Service, ready or not
+        (a draining worker turns not-ready but still holds the streams it serves; the endpoints are the
+        pool's own pods, never an address from a client)."""
+        return self._watchers[1].all_urls() if len(self._watchers) > 1 else []
