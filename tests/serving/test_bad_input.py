@@ -16,7 +16,21 @@ pytestmark = pytest.mark.timeout(600)
 BASE = {"completions": {"model": MODEL, "prompt": "Say hi", "max_tokens": 2},
         "chat": {"model": MODEL, "messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 2}}
 PATH = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
-NAN, INF = object(), object()   # stand-ins for the JSON tokens NaN / Infinity (json.dumps writes them)
+
+
+class _Token:
+    """A stand-in for a JSON token that json.dumps writes and no plain value names (NaN, Infinity). Named,
+    not a bare object(): the test id holds it, and pytest-xdist's workers must collect the same ids (an
+    object's address differs between processes)."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __str__(self) -> str:
+        return self.name
+
+
+NAN, INF = _Token("NaN"), _Token("Infinity")
 
 # (field, bad value, the param the error must name, or None for the body as a whole)
 COMMON = [
