@@ -24,12 +24,12 @@ if [[ $(id -u) -eq 0 ]]; then   # the operator suite needs root (network namespa
   fi
   echo "test.sh: test cluster ready ($((SECONDS - t0)) s)"
 fi
-# Two pytest-xdist workers, each running whole groups of tests (tests/xdist_groups.py): the
-# operator suite and the e2e story mostly wait on the API server and on autoscaler windows, so the
-# other worker runs the CPU-bound suites meanwhile. TANDEM_TEST_WORKERS=0 runs every test in this
-# process, one at a time (as before; e.g. to read a failing test's output in order).
+# TANDEM_TEST_WORKERS=2 runs two pytest-xdist workers, each taking whole groups of tests
+# (tests/xdist_groups.py): pytest 20 min instead of 26 on 2 cores, but the test-double timing checks
+# of tests/bench/test_bench_double.py failed beside the other worker in two clean-clone runs of three
+# (bench/RESULTS.md, thirteenth session), so the default stays one process until they are made robust.
 # --durations=30: the slowest tests in every log (CI included), to see where the time goes
-workers=${TANDEM_TEST_WORKERS:-2}
+workers=${TANDEM_TEST_WORKERS:-0}
 dist=(-n "$workers")
 [[ $workers != 0 ]] && dist+=(--dist loadgroup)
 exec python -m pytest -ra --durations=30 "${dist[@]}" "$@"
