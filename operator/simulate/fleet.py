@@ -284,15 +284,16 @@ class Fleet:
         if not pre:   # no_prefill_worker: the decode worker prefills it
             self._local_prefill(now, d, req)
             return True
-        bound = min(map(_IN_FLIGHT, pre)) + LOAD_BOUND
-        within = [r for r in pre if r.in_flight <= bound]
-        h0 = h[0] if h else None
-        # only a replica caching the first block can match any (most often none or a few do)
-        holding = [r for r in within if h0 in r.cache] if h else None
+        holding = None
+        if h:
+            bound = min(map(_IN_FLIGHT, pre)) + LOAD_BOUND
+            h0 = h[0]
+            # only a replica caching the first block can match any (most often none or a few do)
+            holding = [r for r in pre if r.in_flight <= bound and h0 in r.cache]
         if holding:
             p = max(holding, key=lambda r: (r.matched(h), -r.in_flight, -r.rid))
-        else:
-            p = min(within, key=_PREFILL_KEY)
+        else:   # the least loaded replica is within the load bound, so no need to list those within it
+            p = min(pre, key=_PREFILL_KEY)
         p.in_flight += 1
         p.waiting.append(i)
         if not p.batch and p.ready_at <= now:

@@ -6,8 +6,9 @@ delay before each later content chunk, how many tokens each content chunk claims
 error (an HTTP status, an error event inside the stream, or a dropped connection). Chat streams start
 with a role-only chunk, and empty-content chunks are interleaved, as real servers send them. Delays
 are kept against absolute deadlines from the request's arrival, so they do not drift. It records
-when each request arrived (time.monotonic, which is CLOCK_MONOTONIC and so comparable with the
-client's clock in another process) and how many requests were open at once.
+when each request arrived, when it wrote each content chunk and when it ended each stream
+(time.monotonic, which is CLOCK_MONOTONIC and so comparable with the client's clock in another
+process), and how many requests were open at once.
 
 Run: python scripted_endpoint.py --script FILE --port N  (GET /_arrivals returns what it recorded)
 """
@@ -29,6 +30,8 @@ class Double:
         # capacity > 0: at most that many requests are served at once, the rest queue (a saturable server)
         self.slots = asyncio.Semaphore(capacity) if capacity else None
         self.arrivals: list[tuple[str, float]] = []
+        self.chunks_sent: dict[str, list[float]] = {}   # key -> when each content chunk was written
+        self.ended: dict[str, float] = {}               # key -> when the stream's end was written
         self.open = 0
         self.max_open = 0
 
@@ -93,16 +96,19 @@ class Double:
                 request.transport.close()
                 return resp
             await resp.write(chunk(" ".join(["tok"] * n) + " "))
+            self.chunks_sent.setdefault(key, []).append(time.monotonic())
         await resp.write(chunk(None, finish="length"))
         if (body.get("stream_options") or {}).get("include_usage"):
             await resp.write(chunk(None, usage={"prompt_tokens": 7, "completion_tokens": sum(tokens),
                                                 "total_tokens": 7 + sum(tokens)}))
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
+        self.ended[key] = time.monotonic()
         return resp
 
     async def report(self, request: web.Request) -> web.Response:
-        return web.json_response({"arrivals": self.arrivals, "max_open": self.max_open})
+        return web.json_response({"arrivals": self.arrivals, "max_open": self.max_open,
+                                  "chunks_sent": self.chunks_sent, "ended": self.ended})
 
 
 async def main(args) -> None:

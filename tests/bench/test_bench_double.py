@@ -85,6 +85,7 @@ def test_reported_numbers_match_the_script(tmp_path):
         # a constant rate, so each request's intended send time is known: i / rate
         rate = 8.0
         result = asyncio.run(run(Target(url, "m"), ds, LoadShape("constant", rate)))
+        sent = requests.get(url + "/_arrivals", timeout=10).json()
     finally:
         stop(proc)
     s = summarize(result, slo, percentiles=(50, 90, 99))
@@ -94,20 +95,40 @@ def test_reported_numbers_match_the_script(tmp_path):
     assert s["output_tokens"] == sum(e["out"] for e in expect)
     assert s["completion_tokens_mismatch"] == 0
 
-    def close(got, want, what):
-        assert abs(got - want) <= 0.05 * want, f"{what}: reported {got:.2f}, scripted {want:.2f}"
+    # What the client should report is computed from when the double actually wrote each chunk (the
+    # same run, the same CLOCK_MONOTONIC), not from the script: on a busy machine either process can be
+    # scheduled tens of ms late, which moved the ITL p99 31% off the scripted value beside another
+    # pytest worker. What this protects is the client's arithmetic (TTFT from the send, TPOT over
+    # usage tokens - 1, ITL per content chunk, the run's span, goodput), which a wrong definition moves
+    # by far more than the 5% + a few ms the check allows for the chunk's trip to the client.
+    recs = {r.id: r for r in result.records}
+    seen = []
+    for i, e in enumerate(expect):
+        key, rec = f"ok{i}", recs[f"ok{i}"]
+        times, end = sent["chunks_sent"][key], sent["ended"][key]
+        assert len(times) == len(e["itl"]) + 1
+        ttft, e2e = times[0] - rec.send_mono, end - rec.send_mono
+        seen.append({"ttft": ttft, "e2e": e2e, "tpot": (end - times[0]) / (e["out"] - 1),
+                     "itl": list(np.diff(times)), "out": e["out"], "end": end})
+        # the double kept to its script: otherwise the SLO split below would not mean what it says
+        assert times[0] - dict(sent["arrivals"])[key] >= script[key]["ttft"] - 0.002
 
-    for key, values in (("ttft_ms", [e["ttft"] for e in expect]), ("tpot_ms", [e["tpot"] for e in expect]),
-                        ("itl_ms", [g for e in expect for g in e["itl"]]), ("e2e_ms", [e["e2e"] for e in expect])):
+    def close(got, want, what, trip=0.0):
+        assert abs(got - want) <= 0.05 * want + trip, f"{what}: reported {got:.2f}, the double sent at {want:.2f}"
+
+    # a chunk's trip to the client, in ms; TPOT divides the span between two trips by tokens - 1 (>= 2)
+    trip = {"ttft_ms": 15.0, "tpot_ms": 5.0, "itl_ms": 15.0, "e2e_ms": 15.0}
+    for key, values in (("ttft_ms", [e["ttft"] for e in seen]), ("tpot_ms", [e["tpot"] for e in seen]),
+                        ("itl_ms", [g for e in seen for g in e["itl"]]), ("e2e_ms", [e["e2e"] for e in seen])):
         for p in (50, 90, 99):
-            close(s[key][f"p{p}"], float(np.percentile(values, p)) * 1000, f"{key} p{p}")
-        close(s[key]["mean"], float(np.mean(values)) * 1000, f"{key} mean")
+            close(s[key][f"p{p}"], float(np.percentile(values, p)) * 1000, f"{key} p{p}", trip[key])
+        close(s[key]["mean"], float(np.mean(values)) * 1000, f"{key} mean", trip[key])
     # the run lasts from the first intended send to the last answer's end
-    duration = max(i / rate + e["e2e"] for i, e in enumerate(expect))
+    duration = max(e["end"] for e in seen) - result.start_mono
     close(s["duration_s"], duration, "duration")
     close(s["request_throughput"], n_ok / duration, "request throughput")
-    close(s["output_throughput"], sum(e["out"] for e in expect) / duration, "output throughput")
-    good = sum(1 for e in expect if e["ttft"] <= slo["ttft"] and e["tpot"] <= slo["tpot"])
+    close(s["output_throughput"], sum(e["out"] for e in seen) / duration, "output throughput")
+    good = sum(1 for e in seen if e["ttft"] <= slo["ttft"] and e["tpot"] <= slo["tpot"])
     assert 0 < good < n_ok   # the SLO splits the requests, so the check means something
     close(s["goodput"], good / duration, "goodput")
     assert s["slo_attainment"] == pytest.approx(good / len(keys), abs=1.5 / len(keys))
@@ -191,11 +212,16 @@ def test_sweep_stops_at_saturation_and_reports_the_best_rate(tmp_path):
         async def run_one(shape):
             return await run(Target(url, "m"), ds, shape)
 
-        res = asyncio.run(sweep(run_one, [2.5, 5, 10, 40, 80, 160], LoadShape("poisson", seed=2), {"ttft": 0.3}))
+        # rates far past saturation: on a quiet machine it stops at 40 or 80/s; on a busy one the first
+        # rate's TTFT is inflated and 20 requests' throughput is noisy, so it once went on to 160/s; by
+        # 320-640/s the throughput is flat (~20/s) whatever the machine, so "stops by itself" is asserted
+        # as stopping before the list runs out, above the double's capacity
+        grid = [2.5, 5, 10, 40, 80, 160, 320, 640]
+        res = asyncio.run(sweep(run_one, grid, LoadShape("poisson", seed=2), {"ttft": 0.3}))
     finally:
         stop(proc)
     rates = [p["load"]["request_rate"] for p in res["points"]]
-    assert rates[:3] == [2.5, 5, 10] and len(rates) < 6, res["stopped"]
+    assert rates[:3] == [2.5, 5, 10] and len(rates) < len(grid), res["stopped"]
     assert res["stopped"] and ("TTFT" in res["stopped"] or "throughput" in res["stopped"])
     assert res["max_rate_meeting_slo"] in (5, 10)
     assert max(p["request_throughput"] for p in res["points"]) < 21
