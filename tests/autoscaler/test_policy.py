@@ -388,6 +388,29 @@ def test_a_decode_hold_weighs_one_slot_in_the_replicas_whole_slots():
                 assert perf.decode_replicas(tokens, ctx, target, hold_s_per_token=step) < doubled, (name, tokens)
 
 
+def test_decode_counts_a_held_place_at_a_share_of_its_time_to_first_token():
+    """Fourteenth session: a request held through its prefill shifts the router's balance to the other
+    decode replicas; it does not fill a slot for its whole time to first token. The hold is 0.4 of the
+    calibrated prefill service, or 0.25 of the observed p90 TTFT when a queue makes that longer (the old
+    1.0 and 0.5 sized decode 2.5 replicas over the reactive oracle on the diurnal scenario). Asserted on
+    one decision: the recorded hold, and a decode count between the sizing without a hold and the old
+    one, strictly below the old (so the check fails on the old shares)."""
+    queued = 2 * TTFT   # a prefill queue: p90 TTFT well past the calibrated service of 380 tokens
+
+    def decode_of(pre_lat, **kw):
+        a = Autoscaler(spec(), CAL, **kw)
+        return steady(a, 0, 2.0, 4, 4, pre_lat=pre_lat, dec_lat=0.8 * TPOT).decode
+
+    service = PerfModel.of(CAL).remote_prefill_seconds(380)
+    for pre_lat in (0.5 * service, queued):
+        d = decode_of(pre_lat)
+        want = max(0.4 * service, 0.25 * pre_lat) / 16
+        assert d.inputs["hold_s_per_token"] == pytest.approx(want, abs=1e-4), (pre_lat, d.inputs)
+    new, old = decode_of(queued).inputs["need"], decode_of(queued, hold_service_share=1.0, hold_ttft_share=0.5).inputs["need"]
+    none = decode_of(queued, hold_first_token=False).inputs["need"]
+    assert none <= new < old, (none, new, old)
+
+
 def test_prefill_keeps_room_for_the_rises_it_has_seen_and_steady_load_changes_nothing():
     """Issue 25, the Azure code trace: bursts that come back every few minutes cannot be chased (they
     are over before new replicas start), so prefill holds room for the rises within one start-up time it
