@@ -139,9 +139,8 @@ class Autoscaler:
             its prefill (:meth:`PerfModel.decode_replicas`, ``hold_s_per_token``). Off, the sizing counts
             running sequences alone, as it did until issue 25 (the simulator then picked the decode
             replica when the prefill ended).
-        hold_service_share: the hold is this share of the calibrated prefill service ...
-        hold_ttft_share: ... or this share of the observed p90 TTFT when a queue makes that longer (both
-            0..1). A held place is not a running sequence: it moves the router's balance, and the next
+        hold_service_share, hold_ttft_share: the hold is this share of the calibrated prefill service,
+            or that share of the observed p90 TTFT when a queue makes that longer (both 0..1). A held place is not a running sequence: it moves the router's balance, and the next
             arrivals go to the pool's other replicas, so counting the whole time to first token oversized
             decode (issue 10's diurnal scenario, seed 0: 2.5 decode replicas above the reactive oracle,
             GPU-hours x1.15 of it). 0.4 and 0.25 (were 1.0 and 0.5) are the cheapest pair of a grid on
@@ -189,9 +188,9 @@ class Autoscaler:
     def __init__(self, spec, calibration=None, *, startup_s: float = 120.0, forecast_window_s: float = 180.0,
                  correction_alpha: float = 0.2, headroom: float = 0.8, catch_up_s: float = 120.0,
                  confirm_s: float = 90.0, cancel_starting: bool = True, hold_first_token: bool = True,
-                 hold_ttft_share: float = 0.25, absorb_within_slack: bool = True, recurring: bool = True,
-                 recurring_windows: float = 1.0, burst_quantile: float = 0.75, burst_lookback_s: float = 1800.0,
-                 probe_memory_s: float = 1800.0, hold_service_share: float = 0.4):
+                 hold_service_share: float = 0.4, hold_ttft_share: float = 0.25,
+                 absorb_within_slack: bool = True, recurring: bool = True, recurring_windows: float = 1.0,
+                 burst_quantile: float = 0.75, burst_lookback_s: float = 1800.0, probe_memory_s: float = 1800.0):
         self.spec = spec
         self.perf = PerfModel.of(calibration)
         self.startup_s = float(startup_s)
@@ -202,6 +201,7 @@ class Autoscaler:
         self.confirm_s = float(confirm_s)
         self.cancel_starting = bool(cancel_starting)
         self.hold_first_token = bool(hold_first_token)
+        self.hold_service_share = float(hold_service_share)
         self.hold_ttft_share = float(hold_ttft_share)
         self.absorb_within_slack = bool(absorb_within_slack)
         self.recurring = bool(recurring)
@@ -209,7 +209,6 @@ class Autoscaler:
         self.burst_quantile = float(burst_quantile)
         self.burst_lookback_s = float(burst_lookback_s)
         self.probe_memory_s = float(probe_memory_s)
-        self.hold_service_share = float(hold_service_share)
         self.limits = {"prefill": RoleLimits.of(spec.prefill, 1.0), "decode": RoleLimits.of(spec.decode, 0.1)}
         pa = spec.autoscaling
         self.scale_to_zero = bool(pa.scaleToZero)
