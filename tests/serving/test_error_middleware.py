@@ -48,3 +48,46 @@ def test_an_unexpected_exception_is_a_json_500_with_a_logged_request_id(caplog):
     assert body["error"]["type"] == "server_error" and rid in body["error"]["message"]
     record = next(r for r in caplog.records if rid in r.getMessage())
     assert record.exc_info and "a bug" in str(record.exc_info[1])
+
+
+class LeftStreamHandlers(RaisingHandlers):
+    """A stand-in streaming handler: one event, then (once the client has closed the connection) a
+    second write, which raises aiohttp's ClientConnectionResetError as a real stream's does."""
+
+    async def completions(self, request):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b"data: {}\n\n")
+        for _ in range(500):
+            if request.transport is None or request.transport.is_closing():
+                break
+            await asyncio.sleep(0.01)
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    chat_completions = completions
+
+
+def test_a_client_gone_mid_stream_is_not_an_internal_error(caplog):
+    """The router and workers logged a client that closed its stream early as an internal error with a
+    traceback (clean-clone runs, fifteenth session): it is a departure, logged at INFO."""
+    async def run():
+        runner = web.AppRunner(openai_app(LeftStreamHandlers()))
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
+            await writer.drain()
+            await reader.readuntil(b"data: {}\n\n")
+            writer.close()                           # the client leaves after the first event
+            await asyncio.sleep(0.5)                 # the handler's next write meets the closed transport
+        finally:
+            await runner.cleanup()
+    with caplog.at_level(logging.INFO):
+        asyncio.run(run())
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
+    assert any("client went away" in r.getMessage() for r in caplog.records)

@@ -51,7 +51,9 @@ REQUEST_ID_HEADER = "X-Request-Id"
 async def json_errors(request: web.Request, handler):
     """aiohttp's own errors (unknown path 404, wrong method 405, body too large 413) as OpenAI JSON,
     and any unexpected exception as an OpenAI JSON 500 whose request id is in the log with its
-    traceback (never aiohttp's plain-text page)."""
+    traceback (never aiohttp's plain-text page). A client that went away mid-answer (``ConnectionResetError``,
+    aiohttp's ``ClientConnectionResetError`` included) is none of those: logged at INFO and answered
+    with a 499 that aiohttp drops quietly on the closed connection."""
     try:
         return await handler(request)
     except web.HTTPRequestEntityTooLarge:
@@ -62,6 +64,12 @@ async def json_errors(request: web.Request, handler):
         if e.status < 400:
             raise
         return json_error(f"{e.reason}: {request.method} {request.path}", e.status)
+    except ConnectionResetError:   # aiohttp's ClientConnectionResetError too: the client left mid-answer
+        # nobody is left to answer, and it is not the server's error. A raised exception would be logged
+        # by aiohttp as one; a response (nginx's 499 for the access log) meets the closed transport,
+        # which aiohttp takes quietly as a premature disconnection
+        log.info("client went away during %s %s", request.method, request.path)
+        return web.Response(status=499, reason="Client Closed Request")
     except Exception:
         rid = uuid.uuid4().hex[:16]
         log.exception("internal error in %s %s (request id %s)", request.method, request.path, rid)

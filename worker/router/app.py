@@ -503,10 +503,15 @@ class Router:
         if broken is not None:
             return await self._end_broken(resp, broken)
         # (resp.write raises CancelledError only while the handler is cancelled: handled above)
-        if buf:
-            await resp.write(buf)
         observe()   # a stream without [DONE]
-        await resp.write_eof()
+        try:
+            if buf:
+                await resp.write(buf)
+            await resp.write_eof()
+        except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+            # gone after its last event (a client that stops reading at [DONE]): nothing is lost, and it
+            # is not the router's error (it was logged as one, an internal error in a clean-clone run)
+            log.info("client went away at the end of its stream")
         return resp
 
     def _canceller(self, decode_url: str, stream_headers: dict):

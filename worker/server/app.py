@@ -280,8 +280,8 @@ class WorkerServer:
     async def _read(self, request: web.Request, stream, after: int) -> web.StreamResponse:
         """One reader of a resumable stream: the events after index ``after``, then the live ones."""
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await resp.prepare(request)
         try:
+            await resp.prepare(request)     # raises too when the reader left before its headers went
             await self.streams.serve(stream, resp.write, after)
             await resp.write_eof()
         except (ConnectionResetError, aiohttp.ClientConnectionResetError):
