@@ -19,7 +19,6 @@ import requests
 
 from fleet_utils import MODEL, ROOT, TPOT_TARGET_FACTOR, chat, metric, single_tpot, start_fleet, wait_for
 from prometheus_utils import Prometheus
-from tandem.operator.autoscaler.actuate import load_of
 from tandem.operator.autoscaler.fleet_loop import FleetAutoscaler
 from tandem.operator.autoscaler.policy import Autoscaler
 from tandem.operator.autoscaler.prometheus_source import PrometheusSource
@@ -144,20 +143,28 @@ def test_decode_scales_up_under_load_then_drains_a_busy_worker(tmp_path):
         assert seen[0][0].decode.signal == "ok"
         assert max(sn.decode.latency or 0 for sn, _ in shadow.decisions) > target * 1.1
 
-        # the load drops to a trickle of long requests (two streams of about 120 s, from the single-request
+        # the load drops to a trickle of long requests (two streams of about 35 s alone, from the single-request
         # TPOT), after the heavy run (still sending: 4000 prompts is more than it reaches) stops. Two
         # streams fit one replica at the target (the calibration's batch-2 step is well under the
         # target's multiple of its batch-1 step), so the pool drains a worker that still streams one of
         # them, lets it finish at full length and stops it: zero failed requests.
         heavy.terminate()   # the rest of the heavy run is not needed (a terminated client is not a failure)
         heavy.wait(60)
-        assert wait_for(lambda: all(load_of(p.url) == 0 for p in fleet.workers("decode")), timeout=60, interval=0.2)
-        # about 45 s each alone (longer two at a time): the capacity factor the heavy run taught (on 2
+        # the trickle starts as soon as the router has let go of the heavy streams, so that its two
+        # streams are placed one per decode worker (the router's own count, which it places by) and
+        # well inside the 10 s scale-down window: a pool that looked idle for a window drains a replica
+        # with nothing in flight before the trickle begins (a clean-clone run waited on the workers'
+        # own counts, which a departed stream kept up for its 30 s resume grace, and failed so)
+        def router_free() -> bool:
+            table = requests.get(fleet.endpoint + "/health", timeout=5).json()["workers"]
+            return all(table.get(p.url, {"in_flight": -1})["in_flight"] == 0 for p in fleet.workers("decode"))
+        assert wait_for(router_free, timeout=60, interval=0.2)
+        # about 35 s each alone (longer two at a time): the capacity factor the heavy run taught (on 2
         # cores a second replica adds little) fades back over a few 10 s windows, and the 10 s
         # scale-down window passes, before the policy sees one replica suffice. The drain came 17 s
         # into the trickle (35 s with 20 s windows, when the streams were 120 s alone and, beside other
         # work, outlasted the 240 s wait below: bench/RESULTS.md, issue 27, helper h27c)
-        tokens = int(min(1900, max(300, 45.0 / single)))
+        tokens = int(min(1500, max(250, 35.0 / single)))
         t_trickle = time.time()
         trickle = _bench(fleet.endpoint, tmp_path / "trickle", "--num-prompts", "2", "--concurrency", "2",
                          "--output-len", str(tokens), "--fail-on-error")

@@ -250,11 +250,13 @@ def test_kubectl_apply_to_answers_under_load_scaling_up_and_down_without_a_faile
         proc.wait(30)
     target = TPOT_TARGET_FACTOR * single
     # lengths sized by the measured speed, so the story takes minutes on a quiet machine and on a busy
-    # one alike: a ramp request ~4 s alone; a trickle request ~40 s alone, several metrics windows, so
-    # that the drain finds streams in flight and few prefills (each one slows the pods' shared cores)
-    # land among them
+    # one alike: a ramp request ~4 s alone; a trickle request ~20 s alone (about 60 s beside the other
+    # pod and test), several metrics windows, so that the drain (about 30 s into the trickle) finds
+    # streams in flight and few prefills (each one slows the pods' shared cores) land among them. The
+    # drained pod's stream then ends at full length: the trickle's length is most of the story's time
+    # (40 s alone made it 120 s of 215)
     ramp_len = int(min(64, max(12, round(4.0 / single))))
-    trickle_len = int(min(1500, max(3 * ramp_len, round(40.0 / single))))
+    trickle_len = int(min(800, max(3 * ramp_len, round(20.0 / single))))
     fig["single_tpot_ms"], fig["tpot_target_ms"] = single * 1e3, target * 1e3
     fig["ramp_output_len"], fig["trickle_output_len"] = ramp_len, trickle_len
     print(f"\n[story] single-request TPOT {single * 1e3:.1f} ms; decode target {target * 1e3:.1f} ms", flush=True)

@@ -97,11 +97,12 @@ def test_fp8_model_stays_close_to_unquantized(tiny_llama):
 @pytest.mark.timeout(900)
 def test_smollm2_answers_through_the_triton_kernels(smollm2_path, monkeypatch):
     """The real SmolLM2-135M (30 layers, 9 q / 3 kv heads of 64) through the Triton kernels under the
-    interpreter, with the references trapped: the same greedy answer as the torch path (~1 min)."""
+    interpreter, with the references trapped: the same greedy answer as the torch path (~1 min). Six
+    tokens: "The capital of France is Paris" (each interpreted decode step is seconds)."""
     from tandem.worker.engine.config import EngineConfig
     from tandem.worker.engine.llm_engine import LLMEngine
     chat = [{"role": "user", "content": "What is the capital of France?"}]
-    params = {"temperature": 0, "max_tokens": 8}
+    params = {"temperature": 0, "max_tokens": 6}
     answers = {}
     for backend in ("torch", "triton"):
         if backend == "triton":

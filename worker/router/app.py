@@ -339,6 +339,13 @@ class Router:
                     t_send = time.monotonic()
                     try:
                         upstream = await self._post_watched(d, d.decode.url + path, raw, headers)
+                    except asyncio.CancelledError:
+                        # the client left before its first token (aiohttp cancels the handler): the
+                        # worker keeps a resumable stream that lost its reader for the resume grace,
+                        # holding a decode slot, unless it is told (a killed load generator kept its
+                        # decode workers busy for 30 s in a clean-clone run)
+                        self._canceller(d.decode.url, stream_headers)()
+                        raise
                     except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
                         log.warning("decode worker %s unreachable (%r); trying another", d.decode.url, e)
                         self._retried("unreachable")
@@ -451,7 +458,16 @@ class Router:
         stream (``observed``) is not observed again: its latencies are not the client's."""
         resp = web.StreamResponse(status=upstream.status, headers={
             **{k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS}, **(extra_headers or {})})
-        await resp.prepare(request)
+        try:
+            await resp.prepare(request)
+        except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+            # gone while its stream was being set up: without the cancel a resumable stream would go on at
+            # its worker for the whole resume grace, holding its slot (a clean-clone run's terminated
+            # load generator left its decode workers busy for 30 s)
+            log.info("client went away before its stream began")
+            upstream.close()
+            on_client_gone()
+            return resp
         timer, buf, num_tokens = TokenTimer(t0), b"", 0
 
         def observe():
