@@ -1,4 +1,4 @@
-"""The groups of the test command's pytest-xdist workers (scripts/test.sh: ``-n 2 --dist loadgroup``; the
+"""The groups of the test command's pytest-xdist workers (scripts/test.sh: ``-n 3 --dist loadgroup``; the
 scheduler is tests/conftest.py's ``pytest_xdist_make_scheduler``). A uniquely named module, not
 conftest.py: `from conftest import` is ambiguous in a whole-tree run.
 
@@ -7,7 +7,7 @@ operator suite and the e2e story share one test cluster at a time (the story's, 
 suite's); the serving files that use the `tandem up` fleet of tests/serving/conftest.py share it; the
 transformers reference model (a session fixture, minutes to load) is loaded once. Every other file is
 its own group (its module fixtures start once). While the cluster group waits on the API server and
-on autoscaler windows, the other worker runs the CPU-bound suites (bench/RESULTS.md, "Thirteenth
+on autoscaler windows, the other workers run the CPU-bound suites (bench/RESULTS.md, "Thirteenth
 session: the test command's time"). tests/test_xdist_groups.py checks that every user of a shared
 start is in its group.
 """
