@@ -29,13 +29,18 @@ class RaisingHandlers:
     _cleanup = _startup
 
 
+async def serve(handlers) -> tuple[web.AppRunner, int]:
+    """The shared app skeleton over ``handlers`` on a free loopback port: (runner, port)."""
+    runner = web.AppRunner(openai_app(handlers))
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, site._server.sockets[0].getsockname()[1]
+
+
 def test_an_unexpected_exception_is_a_json_500_with_a_logged_request_id(caplog):
     async def run():
-        runner = web.AppRunner(openai_app(RaisingHandlers()))
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
+        runner, port = await serve(RaisingHandlers())
         try:
             async with aiohttp.ClientSession() as s:
                 async with s.post(f"http://127.0.0.1:{port}/v1/completions", json={}) as r:
@@ -73,11 +78,7 @@ def test_a_client_gone_mid_stream_is_not_an_internal_error(caplog):
     """The router and workers logged a client that closed its stream early as an internal error with a
     traceback (clean-clone runs, fifteenth session): it is a departure, logged at INFO."""
     async def run():
-        runner = web.AppRunner(openai_app(LeftStreamHandlers()))
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
+        runner, port = await serve(LeftStreamHandlers())
         try:
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
             writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")

@@ -520,14 +520,10 @@ class Router:
             return await self._end_broken(resp, broken)
         # (resp.write raises CancelledError only while the handler is cancelled: handled above)
         observe()   # a stream without [DONE]
-        try:
-            if buf:
-                await resp.write(buf)
-            await resp.write_eof()
-        except (ConnectionResetError, aiohttp.ClientConnectionResetError):
-            # gone after its last event (a client that stops reading at [DONE]): nothing is lost, and it
-            # is not the router's error (it was logged as one, an internal error in a clean-clone run)
-            log.info("client went away at the end of its stream")
+        # (a client gone by now, after its last event, is the middleware's json_errors: logged at INFO)
+        if buf:
+            await resp.write(buf)
+        await resp.write_eof()
         return resp
 
     def _canceller(self, decode_url: str, stream_headers: dict):
