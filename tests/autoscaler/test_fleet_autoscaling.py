@@ -20,6 +20,7 @@ import requests
 
 from fleet_utils import MODEL, ROOT, TPOT_TARGET_FACTOR, chat, metric, single_tpot, start_fleet, wait_for
 from prometheus_utils import Prometheus
+from tandem.operator.autoscaler.actuate import load_of
 from tandem.operator.autoscaler.fleet_loop import FleetAutoscaler
 from tandem.operator.autoscaler.policy import Autoscaler
 from tandem.operator.autoscaler.prometheus_source import PrometheusSource
@@ -151,16 +152,21 @@ def test_decode_scales_up_under_load_then_drains_a_busy_worker(tmp_path):
         # them, lets it finish at full length and stops it: zero failed requests.
         heavy.terminate()   # the rest of the heavy run is not needed (a terminated client is not a failure)
         heavy.wait(60)
-        # the trickle starts as soon as the router's /health table shows its decode workers free, well
-        # inside the 10 s scale-down window: a pool that looked idle for a window drains a replica with
-        # nothing in flight before the trickle begins (a clean-clone run waited on the workers' own
-        # counts, which a departed stream kept up for its 30 s resume grace, and failed so). That table
-        # read [0, 0] with two streams running in a later trial, so the wait is short, not a placement
-        # check; the drain can still come before the trickle (bench/RESULTS.md, fifteenth session)
-        def router_free() -> bool:
-            table = requests.get(fleet.endpoint + "/health", timeout=5).json()["workers"]
-            return all(table.get(p.url, {"in_flight": -1})["in_flight"] == 0 for p in fleet.workers("decode"))
-        assert wait_for(router_free, timeout=60, interval=0.2)
+        # the pool holds (advisory mode, as a user holds a pool with `mode: advisory`) from the heavy run's
+        # end until the trickle streams on both decode workers: a pool that looks idle for a window
+        # drains a replica with nothing in flight, and unheld it did so before the trickle began in 3 of
+        # 7 clean-clone runs (bench/RESULTS.md, fifteenth session). The workers' own /health counts are
+        # waited on, down to 0 (a departed heavy stream may be kept up to its 30 s resume grace) and then
+        # up to a trickle stream each (1 or more: a resumable stream counts as its request, its producer
+        # and its buffer, 3 at drain time in a trial; the router's /health table is not a placement
+        # count: it read [0, 0] with streams running)
+        fleet.pool.spec.autoscaling.mode = "advisory"
+        decode_urls = [p.url for p in fleet.workers("decode")]
+        assert len(decode_urls) == 2, decode_urls
+
+        def in_flight() -> list[float]:
+            return [load_of(u) for u in decode_urls]
+        assert wait_for(lambda: in_flight() == [0, 0], timeout=90, interval=0.5), in_flight()
         # about 35 s each alone (longer two at a time): the capacity factor the heavy run taught (on 2
         # cores a second replica adds little) fades back over a few 10 s windows, and the 10 s
         # scale-down window passes, before the policy sees one replica suffice. The drain came 17 s
@@ -170,6 +176,8 @@ def test_decode_scales_up_under_load_then_drains_a_busy_worker(tmp_path):
         t_trickle = time.time()
         trickle = _bench(fleet.endpoint, tmp_path / "trickle", "--num-prompts", "2", "--concurrency", "2",
                          "--output-len", str(tokens), "--fail-on-error")
+        assert wait_for(lambda: min(in_flight()) >= 1, timeout=60, interval=0.2), in_flight()
+        fleet.pool.spec.autoscaling.mode = "active"
         shrank = wait_for(lambda: loop.drains and loop.drains[0].get("stopped_at"), timeout=240, interval=1)
         assert shrank, f"no drain; decisions: {list(loop.decisions)[-5:]}"
         s = _summary(trickle, tmp_path / "trickle")

@@ -148,8 +148,8 @@ def test_reported_numbers_match_the_script(tmp_path):
 def arrivals_lag(tmp_path, rate: float, n: int):
     """One open-loop Poisson run against a double that holds every request 20 s: (lag at the server in
     ms per request, the double's arrival record, the run's result)."""
-    # every request is held 20 s before its first token: 300 requests at 50/s arrive within ~6 s, so all
-    # are open at once (aiohttp's default limit of 100 connections per client would hold 200 back)
+    # every request is held 20 s before its first token: 250 requests at 25/s arrive within ~10 s, so all
+    # are open at once (aiohttp's default limit of 100 connections per client would hold 150 back)
     proc, url = start_double(tmp_path, {"default": {"ttft": 20.0, "gaps": [0.01], "chunk_tokens": [1, 1]}})
     try:
         ds = dataset([f"q{i}" for i in range(n)], [2] * n)
@@ -165,31 +165,32 @@ def arrivals_lag(tmp_path, rate: float, n: int):
 
 def test_open_loop_arrivals_keep_the_schedule_with_a_slow_server(tmp_path):
     """Protects: the open loop sends on its schedule without waiting for answers. Every request is held
-    20 s, so a client that waits for answers before sending (closed loop, or aiohttp's 100-connection
-    default holding requests 101-300 back) lags by 15 s or more. The bounds (p99 <= 2,000 ms, max <=
-    5,000 ms) sit 3x below that and over 3x above what a loaded 2-core machine measures (p99 12.8-13.7
-    ms in serial CI runs next to other suites; a max of 157 ms with a compiler beside it; p99 570 ms,
-    max 641 ms beside the other pytest-xdist worker, which failed the earlier bounds of 500 / 1,500 ms
-    with a 7-s hold), so they test the loop, not the machine. The precise lag is a benchmark figure (bench/RESULTS.md), not a
-    test's. That the sends form a Poisson process is tested on the schedule itself: the gaps seen at
-    the server carry that same scheduling noise, and a KS test of 300 gaps with a 20 ms mean notices it
-    (p = 0.001 in a clean-clone run whose p99 lag was 13.7 ms); the lag bounds then say the server saw
-    that schedule."""
-    rate, n = 50.0, 300
+    20 s and the sends span about 10 s, so all 250 are open at the server at once only when no send
+    waited for an answer (``max_open == n``); a client that waits (closed loop, or aiohttp's
+    100-connection default holding requests 101-250 back) lags by 16 s or more. The lag bounds (p99 <=
+    5,000 ms, max <= 8,000 ms) sit 2-3x below that and 2x or more above the worst a loaded 2-core machine
+    measured: p99 2,462 ms, max 2,554 ms at twice this rate (50/s, 300 requests) in a CI run with three
+    pytest-xdist workers, where the lag built up because the client's share of the CPU could not keep a
+    50/s pace (p99 12.8-13.7 ms in serial runs; 570 ms beside one other xdist worker); at 25/s the client
+    needs half that CPU. They test the loop, not the machine; the precise lag is a benchmark figure
+    (bench/RESULTS.md), not a test's. That the sends form a Poisson process is tested on the schedule
+    itself: the gaps seen at the server carry that same scheduling noise, and a KS test of 250 gaps with
+    a 40 ms mean notices it; the lag bounds then say the server saw that schedule."""
+    rate, n = 25.0, 250
     lag_ms, seen, result = arrivals_lag(tmp_path, rate, n)
     p99, worst = np.percentile(lag_ms, 99), lag_ms.max()
     print(f"p99 lag {p99:.1f} ms, max {worst:.1f} ms")
-    assert seen["max_open"] >= 200
     arrived = dict(seen["arrivals"])
     assert len(arrived) == n and len(lag_ms) == n
-    assert p99 <= 2000.0, f"p99 lag {p99:.1f} ms"
-    assert worst <= 5000.0, f"max lag {worst:.1f} ms"
+    assert seen["max_open"] == n, f"{seen['max_open']} of {n} open at once (p99 lag {p99:.1f} ms)"
+    assert p99 <= 5000.0, f"p99 lag {p99:.1f} ms"
+    assert worst <= 8000.0, f"max lag {worst:.1f} ms"
     assert lag_ms.min() >= -1.0   # nothing went early
     gaps = np.diff(np.sort([r.intended_mono for r in result.records]))
     ks = stats.kstest(gaps, "expon", args=(0, 1 / rate))
     assert ks.pvalue > 0.01, ks
     s = summarize(result)
-    assert s["failed"] == 0 and s["send_lag"]["count"] == n and s["send_lag"]["max_ms"] <= 5000.0
+    assert s["failed"] == 0 and s["send_lag"]["count"] == n and s["send_lag"]["max_ms"] <= 8000.0
 
 
 def test_closed_loop_holds_the_concurrency_and_has_no_send_lag(tmp_path):
