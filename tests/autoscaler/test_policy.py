@@ -439,6 +439,40 @@ def test_prefill_keeps_room_for_the_rises_it_has_seen_and_steady_load_changes_no
     assert [c[:2] for c in replay(noisy)] == [c[:2] for c in replay(noisy, burst_quantile=0)]
 
 
+def test_decode_keeps_room_for_rises_only_once_its_tpot_broke_in_two_of_them():
+    """Issue 25, the H200 calibration's bursts: a decode pool absorbs a rise by batching, so it keeps no
+    room for one until its p90 TPOT has gone over the target in two separate episodes
+    (``decode_room_breaches``); then it holds room as prefill does, and keeps it while the room prevents
+    new breaches (``decode_room_memory_s``). The same bursts with TPOT under the target, or breaking
+    it once, leave decode sized as without the room."""
+    calm_pre = 0.4 * TTFT
+
+    def replay(loads, breaking, **kw):
+        a = Autoscaler(spec(), CAL, **kw)
+        pre = dec = 2
+        out = []
+        for i, x in enumerate(loads):
+            t = 15 * i
+            lat = 1.03 * TPOT if breaking(t, x) else 0.7 * TPOT   # over the target, inside the band
+            d = steady(a, t, x, pre, dec, pre_lat=calm_pre, dec_lat=lat)
+            pre, dec = d.prefill.desired, d.decode.desired
+            out.append((dec, d.decode.inputs.get("rise", 1.0)))
+        return out
+
+    # 0.3 requests/s with a 60-s burst to 1.2 every 6 minutes, for 54 minutes, then quiet for a minute
+    bursty = [1.2 if (15 * i) % 360 < 60 else 0.3 for i in range(216)] + [0.3] * 4
+    every = replay(bursty, lambda t, x: x > 1)
+    plain = replay(bursty, lambda t, x: x > 1, decode_room=0)
+    assert every[-1][1] > 2, every[-1]                          # it saw the load quadruple within a start-up
+    assert every[-1][0] > plain[-1][0], (every[-1], plain[-1])  # and keeps decode room for it when quiet
+    # on only from the second episode: the first burst's quiet minute is sized as without the room
+    first_quiet = 8   # ticks 4-7 are the second minute of load 0.3 after the first burst
+    assert every[first_quiet][0] == plain[first_quiet][0], (every[:10], plain[:10])
+    # breaking once, or never, keeps no room
+    for breaking in (lambda t, x: x > 1 and t < 360, lambda t, x: False):
+        assert [c[0] for c in replay(bursty, breaking)] == [c[0] for c in replay(bursty, breaking, decode_room=0)]
+
+
 def test_the_capacity_probe_does_not_climb_again_past_an_overload_it_just_found():
     """Issue 25, the H200 calibration's prompt-shift: the capacity factor probes upward (+2% a tick) while
     latency is well below target and the count is tight, which lets the count fall until latency breaks;
