@@ -438,14 +438,15 @@ class Autoscaler:
     def _catch_up(self, role: str, rs: RoleSnapshot, demand: float, inputs: dict) -> float:
         """Prefill's extra load (erlangs) to drain, within ``catch_up_s`` of the new replicas being ready,
         the backlog that will have built by then: the work queued now plus what the ready replicas
-        cannot serve (demand above one erlang each) for one start-up time (after Flink's autoscaler,
+        cannot serve (demand above one erlang each, in the calibration's erlangs: a replica serves as many
+        as its learned capacity factor) for one start-up time (after Flink's autoscaler,
         which sizes for a catch-up duration). The router sends each prompt to the least-loaded worker, so
         new replicas share the backlog's waiting: it drains at (ready - demand) erlangs. Decode builds no
         queue (its sequences batch and slow down), so it has none."""
         if role != "prefill" or self.perf is None or demand <= 0:
             return 0.0
         s = inputs.get("service_s", 0.0)
-        backlog = rs.waiting * s + max(0.0, demand - rs.ready) * self.startup_s
+        backlog = rs.waiting * s + max(0.0, demand - rs.ready * self.state[role].correction) * self.startup_s
         catch = backlog / self.catch_up_s
         if catch > 0:
             inputs["catch_up"] = round(catch, 3)

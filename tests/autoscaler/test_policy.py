@@ -439,6 +439,25 @@ def test_prefill_keeps_room_for_the_rises_it_has_seen_and_steady_load_changes_no
     assert [c[:2] for c in replay(noisy)] == [c[:2] for c in replay(noisy, burst_quantile=0)]
 
 
+def test_the_catch_up_counts_the_ready_replicas_at_their_learned_capacity():
+    """Issue 25, the H200 calibration's step (seed 0): prefill's catch-up load is what the ready replicas
+    cannot serve for a start-up time. Demand is in the calibration's erlangs, so the ready replicas serve
+    ``ready x capacity factor`` of them: counted as ``ready`` alone, a pool whose replicas had proven 1.9x
+    faster than calibrated saw a backlog that was not there, added a replica at 0.78x the TTFT target
+    and dropped it again, 3 direction changes in 10 steady minutes. The same snapshot gives a catch-up
+    at the calibrated capacity and none at twice it."""
+    service = PerfModel.of(CAL).remote_prefill_seconds(380)
+    arrivals = 1.5 * 4 / service            # 1.5 calibrated erlangs per ready replica, of 4
+
+    def catch_up(factor):
+        a = Autoscaler(spec(), CAL)
+        a.state["prefill"].correction = factor   # as learned online (``_learn``)
+        d = steady(a, 0, arrivals, 4, 10, pre_lat=0.8 * TTFT, dec_lat=0.5 * TPOT)
+        return d.prefill.inputs.get("catch_up", 0.0)
+    assert catch_up(1.0) > 0
+    assert catch_up(2.0) == 0
+
+
 def test_decode_keeps_room_for_rises_only_once_its_tpot_broke_in_two_of_them():
     """Issue 25, the H200 calibration's bursts: a decode pool absorbs a rise by batching, so it keeps no
     room for one until its p90 TPOT has gone over the target in two separate episodes
