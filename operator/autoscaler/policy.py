@@ -98,7 +98,7 @@ class _RoleState:
     ups: deque = field(default_factory=deque)         # when scale-ups were applied, over one start-up
     seen: deque = field(default_factory=deque)        # (at, demand, level) awaiting one start-up of what came next
     rises: deque = field(default_factory=deque)       # (at, the peak over the next start-up / the level then)
-    breaches: deque = field(default_factory=deque)    # when each episode of latency above the band began
+    breaches: deque = field(default_factory=deque)    # [first, last] breach of each episode over the target
 
 
 @dataclass
@@ -184,8 +184,8 @@ class Autoscaler:
             batch, so the pool runs at 3 replicas and the one-minute bursts push p90 TPOT 1-2% over the
             target) it meets the TPOT aim: seed 1 91.7% -> 96.7% at +1.6% GPU-hours, seed 0 93.3% ->
             98.3% at +1.8%; the other scenarios of both calibrations change by 0-1.5% (CPU bursts: 95% ->
-            96.7%). Ungated (room from the first tick) it cost the CPU scenarios 2-16% for nothing
-            (bench/RESULTS.md, fifteenth and sixteenth sessions). 0 is off.
+            96.7%). Ungated (room from the first tick) it cost the CPU scenarios 2-16%, gaining only bursts'
+            TPOT there (bench/RESULTS.md, fifteenth and sixteenth sessions). 0 is off.
         decode_room_breaches: the TPOT episodes that turn decode's room on (the first may be a one-off).
         decode_room_memory_s: how long an episode counts (seconds): longer than ``burst_lookback_s``,
             because the room, once on, prevents the breaches that turned it on.
