@@ -411,22 +411,28 @@ def test_decode_counts_a_held_place_at_a_share_of_its_time_to_first_token():
     assert none <= new < old, (none, new, old)
 
 
+def replay_ticks(loads, dec_lat=lambda t, x: 0.7 * TPOT, **kw) -> list:
+    """The decisions of one policy over 15-s ticks, one per load (requests/s), from 2 + 2 replicas, each
+    tick's desired counts ready at the next (replicas start at once here); prefill calm (0.4x its
+    target), decode's p90 TPOT ``dec_lat(t, load)``. ``kw`` goes to :class:`Autoscaler`."""
+    a = Autoscaler(spec(), CAL, **kw)
+    pre = dec = 2
+    out = []
+    for i, x in enumerate(loads):
+        d = steady(a, 15 * i, x, pre, dec, pre_lat=0.4 * TTFT, dec_lat=dec_lat(15 * i, x))
+        pre, dec = d.prefill.desired, d.decode.desired
+        out.append(d)
+    return out
+
+
 def test_prefill_keeps_room_for_the_rises_it_has_seen_and_steady_load_changes_nothing():
     """Issue 25, the Azure code trace: bursts that come back every few minutes cannot be chased (they
     are over before new replicas start), so prefill holds room for the rises within one start-up time it
     has seen (``burst_quantile``). Under steady load with noise the rises stay within the headroom and
     the counts are those of the policy without it."""
-    calm_pre, calm_dec = 0.4 * TTFT, 0.7 * TPOT
-
     def replay(loads, **kw):
-        a = Autoscaler(spec(), CAL, **kw)
-        pre = dec = 2
-        out = []
-        for i, x in enumerate(loads):
-            d = steady(a, 15 * i, x, pre, dec, pre_lat=calm_pre, dec_lat=calm_dec)
-            pre, dec = d.prefill.desired, d.decode.desired   # replicas start at once here
-            out.append((pre, dec, d.prefill.inputs.get("rise", 1.0)))
-        return out
+        return [(d.prefill.desired, d.decode.desired, d.prefill.inputs.get("rise", 1.0))
+                for d in replay_ticks(loads, **kw)]
 
     # 0.3 requests/s with a 60-s burst to 1.2 every 6 minutes, for 36 minutes, then quiet for a minute
     bursty = [1.2 if (15 * i) % 360 < 60 else 0.3 for i in range(144)] + [0.3] * 4
@@ -464,19 +470,10 @@ def test_decode_keeps_room_for_rises_only_once_its_tpot_broke_in_two_of_them():
     (``decode_room_breaches``); then it holds room as prefill does, and keeps it while the room prevents
     new breaches (``decode_room_memory_s``). The same bursts with TPOT under the target, or breaking
     it once, leave decode sized as without the room."""
-    calm_pre = 0.4 * TTFT
-
     def replay(loads, breaking, **kw):
-        a = Autoscaler(spec(), CAL, **kw)
-        pre = dec = 2
-        out = []
-        for i, x in enumerate(loads):
-            t = 15 * i
-            lat = 1.03 * TPOT if breaking(t, x) else 0.7 * TPOT   # over the target, inside the band
-            d = steady(a, t, x, pre, dec, pre_lat=calm_pre, dec_lat=lat)
-            pre, dec = d.prefill.desired, d.decode.desired
-            out.append((dec, d.decode.inputs.get("rise", 1.0)))
-        return out
+        def lat(t, x):
+            return 1.03 * TPOT if breaking(t, x) else 0.7 * TPOT   # over the target, inside the band
+        return [(d.decode.desired, d.decode.inputs.get("rise", 1.0)) for d in replay_ticks(loads, lat, **kw)]
 
     # 0.3 requests/s with a 60-s burst to 1.2 every 6 minutes, for 54 minutes, then quiet for a minute
     bursty = [1.2 if (15 * i) % 360 < 60 else 0.3 for i in range(216)] + [0.3] * 4
