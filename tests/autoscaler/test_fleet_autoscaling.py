@@ -150,17 +150,20 @@ def test_decode_scales_up_under_load_then_drains_a_busy_worker(tmp_path):
         # streams fit one replica at the target (the calibration's batch-2 step is well under the
         # target's multiple of its batch-1 step), so the pool drains a worker that still streams one of
         # them, lets it finish at full length and stops it: zero failed requests.
+        # held from before the heavy run ends: its demand alone may already size decode at 1 (a clean-clone
+        # run drained 17.8 s before the trickle with the hold set after the heavy run's end)
+        fleet.pool.spec.autoscaling.mode = "advisory"
+        assert not loop.drains, loop.drains
         heavy.terminate()   # the rest of the heavy run is not needed (a terminated client is not a failure)
         heavy.wait(60)
-        # the pool holds (advisory mode, as a user holds a pool with `mode: advisory`) from the heavy run's
-        # end until the trickle streams on both decode workers: a pool that looks idle for a window
+        # the pool holds (advisory mode, as a user holds a pool with `mode: advisory`, set above) until the
+        # trickle streams on both decode workers: a pool that looks idle for a window
         # drains a replica with nothing in flight, and unheld it did so before the trickle began in 3 of
         # 7 clean-clone runs (bench/RESULTS.md, fifteenth session). The workers' own /health counts are
         # waited on, down to 0 (a departed heavy stream may be kept up to its 30 s resume grace) and then
         # up to a trickle stream each (1 or more: a resumable stream counts as its request, its producer
         # and its buffer, 3 at drain time in a trial; the router's /health table is not a placement
         # count: it read [0, 0] with streams running)
-        fleet.pool.spec.autoscaling.mode = "advisory"
         decode_urls = [p.url for p in fleet.workers("decode")]
         assert len(decode_urls) == 2, decode_urls
 
