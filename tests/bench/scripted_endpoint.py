@@ -3,8 +3,9 @@
 It answers /v1/chat/completions and /v1/completions from a script known to the test: per request
 (keyed by the last message's content, or the prompt), the delay to the first content chunk, the
 delay before each later content chunk, how many tokens each content chunk claims, and an optional
-error (an HTTP status, an error event inside the stream, or a dropped connection). Chat streams start
-with a role-only chunk, and empty-content chunks are interleaved, as real servers send them. Delays
+error (an HTTP status, an error event inside the stream, or a dropped connection; with
+``error_times``, on that many first arrivals of the request only). Chat streams start with a
+role-only chunk, and empty-content chunks are interleaved, as real servers send them. Delays
 are kept against absolute deadlines from the request's arrival, so they do not drift. It records
 when each request arrived, when it wrote each content chunk and when it ended each stream
 (time.monotonic, which is CLOCK_MONOTONIC and so comparable with the client's clock in another
@@ -55,6 +56,8 @@ class Double:
         t0 = arrived if t0 is None else t0
         s = {**self.default, **self.script.get(key, {})}
         err = s.get("error")
+        if "error_times" in s and sum(1 for k, _ in self.arrivals if k == key) > s["error_times"]:
+            err = None   # the scripted error hit only the first error_times arrivals of this request
 
         async def until(dt: float) -> None:
             await asyncio.sleep(max(0.0, t0 + dt - time.monotonic()))

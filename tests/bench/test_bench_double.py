@@ -241,3 +241,37 @@ def test_sweep_stops_at_saturation_and_reports_the_best_rate(tmp_path):
     from tandem.worker.bench.plots import sweep_plot
     sweep_plot(res["points"], tmp_path / "sweep.png", "saturable test double")
     assert (tmp_path / "sweep.png").stat().st_size > 10_000
+
+
+def test_client_sends_again_a_stream_that_broke_before_its_first_token(tmp_path):
+    """Protects the chaos soak's client (Target.resend_s): a stream whose connection broke after its head
+    but before any token or event id (a router killed between relaying its decode worker's head and the
+    first event, once in seven clean-clone soaks) is sent afresh, since nothing would repeat; one that
+    broke after a token is never sent afresh. The double drops the connection after the role chunk
+    (``none``) or after one token (``one``): every time, or on the first arrival only (``*1``)."""
+    from tandem.worker.bench.client import RequestRecord, send
+    drop = {"error": "disconnect", "ttft": 0.05, "gaps": [0.02], "chunk_tokens": [1, 1, 1]}
+    script = {"none": {**drop, "error_at": 0}, "one": {**drop, "error_at": 1}}
+    script.update({k + "1": {**v, "error_times": 1} for k, v in script.items()})
+    proc, url = start_double(tmp_path, {"requests": script})
+
+    async def each(keys, resend_s):
+        import aiohttp
+        async with aiohttp.ClientSession() as s:
+            return [await send(s, Target(url, "m", resend_s=resend_s, timeout=30), r,
+                               RequestRecord(r.id, None, 0, False, None))
+                    for r in dataset(keys, [3] * len(keys)).requests]
+    try:
+        always = asyncio.run(each(["none", "one"], 5.0))
+        first = asyncio.run(each(["none1", "one1"], 5.0))
+        seen = requests.get(url + "/_arrivals", timeout=10).json()
+    finally:
+        stop(proc)
+    arrivals = [k for k, _ in seen["arrivals"]]
+    none, one = always
+    assert none.error_kind == "disconnected" and none.resends >= 2 and none.text == ""   # sent again until resend_s
+    assert one.error_kind == "incomplete" and one.resends == 0 and one.text.strip() == "tok"
+    assert arrivals.count("one") == 1
+    none1, one1 = first
+    assert none1.ok and none1.resends == 1 and none1.text.strip() == "tok tok tok"
+    assert not one1.ok and one1.error_kind == "incomplete" and arrivals.count("one1") == 1

@@ -117,9 +117,9 @@ class Target:
     #: soak's pool token, which is accepted once: docs/security.md)
     headers: dict | Callable[[], dict] = field(default_factory=dict)
     #: send again, for up to this many seconds after the first send, a request whose connection failed
-    #: before any answer (refused, or closed before the response's head) or that got a 503, as OpenAI's
-    #: SDK retries connection errors and 5xx: a restarting router (the chaos soak) loses no request that
-    #: it never saw begin
+    #: before any answer (refused, or closed before the response's head or before its first token and
+    #: event id) or that got a 503, as OpenAI's SDK retries connection errors and 5xx: a restarting
+    #: router (the chaos soak) loses no request that it never saw begin
     resend_s: float = 0.0
     tokenizer: str | None = None    # counts streams without usage (counting.py); None: tandem's served model
 
@@ -256,9 +256,13 @@ async def _send_once(session: aiohttp.ClientSession, target: Target, req: BenchR
     except aiohttp.ClientConnectorError as e:
         return rec.fail("connect", str(e))
     except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as e:
-        # before the head: nothing came back (a reused connection reset, the server gone), so the
-        # request may be sent again (``Target.resend_s``)
-        return rec.fail("incomplete" if head else "disconnected", f"{type(e).__name__}: {e}" + said())
+        # nothing of the answer came back (before the head: a reused connection reset, the server gone;
+        # after it, no token and no event id: a router killed between relaying its decode worker's head
+        # and the first event, as once in a clean-clone chaos soak), so the request may be sent again
+        # (``Target.resend_s``) without repeating a token; once a token or an event id came, it is resumed
+        # or failed, never sent afresh
+        begun = head and (rec.text or rec.last_event_id is not None or rec.first_token_mono is not None)
+        return rec.fail("incomplete" if begun else "disconnected", f"{type(e).__name__}: {e}" + said())
     except aiohttp.ClientError as e:
         return rec.fail("client_error", f"{type(e).__name__}: {e}")
     except json.JSONDecodeError as e:
