@@ -153,20 +153,31 @@ class PerfModel:
         w = service_s * (1 + (self.cv2 if cv2 is None else cv2)) / (2 * (1 - rho))
         return service_s + w * math.log(10 * rho)
 
-    def prefill_pool_p90(self, replicas: int, load: float, service_s: float) -> float:
+    def prefill_pool_p90(self, replicas: int, load: float, service_s: float,
+                         base_s: Optional[float] = None) -> float:
         """p90 TTFT (s) of ``replicas`` prefill replicas fed ``load`` erlangs (arrivals/s x service s) by a
         router that sends each prompt to the replica with the least work queued: the pool acts as one
         M/G/c queue. Erlang C gives the chance to wait; the wait's tail is exponential at rate
-        (c - a) / s, stretched by (1 + cv^2) / 2 (Allen-Cunneen)."""
+        (c - a) / s, stretched by (1 + cv^2) / 2 (Allen-Cunneen). ``base_s``: the p90 without a wait
+        (default ``service_s``, the mean service, as sizing uses it)."""
         c, a = int(replicas), float(load)
+        base = service_s if base_s is None else base_s
         if c <= 0 or a >= c:
             return math.inf
         if a <= 0:
-            return service_s
+            return base
         wait = erlang_c(c, a)
         if wait <= 0.1:
-            return service_s
-        return service_s + math.log(10 * wait) * service_s * (1 + self.cv2) / (2 * (c - a))
+            return base
+        return base + math.log(10 * wait) * service_s * (1 + self.cv2) / (2 * (c - a))
+
+    def prefill_pool_load(self, replicas: int, p90_s: float, service_s: float,
+                          base_s: Optional[float] = None) -> float:
+        """The most load (erlangs) at which ``replicas`` prefill replicas keep their p90 TTFT
+        (:meth:`prefill_pool_p90`, s) within ``p90_s``: the load a measured p90 allows at most (0 when
+        even an idle pool's p90 is above it)."""
+        return _bisect(lambda a: self.prefill_pool_p90(replicas, a, service_s, base_s) <= p90_s,
+                       0.0, replicas * 0.999)
 
     def prefill_replicas(self, load: float, service_s: float, target_s: float, most: int = 10000) -> int:
         """The fewest prefill replicas whose p90 TTFT meets ``target_s`` at ``load`` erlangs; ``most`` when

@@ -510,3 +510,34 @@ def test_the_capacity_probe_does_not_climb_again_past_an_overload_it_just_found(
     assert held[20] < held[19]                            # the overload lowered it
     assert max(held[20:]) == pytest.approx(held[20])      # and it did not climb again
     assert free[20] < free[19] and free[-1] > free[20] * 1.1   # without the memory it climbs straight back
+
+
+def test_the_capacity_probe_stops_where_one_replica_fewer_would_break_the_target():
+    """Issue 25, the H200 calibration's prompt-shift: at 0.7x the TTFT target the probe took one of 7
+    prefill replicas away and TTFT broke at 1.1x. The probe now climbs only while one replica fewer
+    would hold the target at the most load the measured p90 allows (the M/G/c curve anchored on the
+    measurement, ``_one_fewer_holds``): a p90 near the no-wait service leaves room to probe, and a p90
+    whose queueing says the pool is nearly full does not. 7 replicas, 3.3 prompts/s (about 5.5 erlangs:
+    25% more would need an 8th, so the probe may run), a 6 s target."""
+    import math
+
+    from tandem.operator.autoscaler.policy import PROBE_SERVICE_TAIL
+    target, ready, arrivals = 6.0, 7, 3.3
+    sp = spec(pre={"target": {"metric": "ttft", "seconds": target}, "maxReplicas": 20})
+    perf = PerfModel.of(CAL)
+    s = perf.remote_prefill_seconds(380)
+    no_wait = s * (1 + PROBE_SERVICE_TAIL * math.sqrt(perf.cv2))
+    calm = s * 1.05                                           # a p90 within the service's own tail
+    near = perf.prefill_pool_p90(ready, 5.7, s, no_wait)     # the queue of 5.7 erlangs at 7 replicas
+    assert near < 0.75 * target and perf.prefill_pool_p90(ready - 1, 5.7, s, no_wait) > target
+
+    def factor(lat, **kw):
+        a = Autoscaler(sp, CAL, **kw)
+        for i in range(20):
+            a.decide(snap(15 * i, role("prefill", ready, arrivals=arrivals, latency=lat),
+                          role("decode", 4, arrivals=arrivals, latency=0.7 * TPOT)))
+        assert a.last.prefill.inputs["service_s"] == pytest.approx(s, rel=1e-3)
+        return a.state["prefill"].correction
+    assert factor(calm) > 1.2                   # it probes where one fewer holds
+    assert factor(near) == 1.0                  # not where the measured queue says one fewer breaks
+    assert factor(near, probe_guard=0) > 1.2    # the blind probe (before) climbed there too
