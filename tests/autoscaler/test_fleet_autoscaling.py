@@ -125,6 +125,13 @@ def test_decode_scales_up_under_load_then_drains_a_busy_worker(tmp_path):
                         interval=1)
         ups = [d for d in loop.decisions if d["decode"]["desired"] > d["decode"]["current"]]
         assert grew and ups, f"decode never reached 2 ready workers; decisions: {list(loop.decisions)[-5:]}"
+        # held from here on (advisory mode, as a user holds a pool with `mode: advisory`): once the second
+        # worker has cut TPOT, the heavy run's demand alone may size decode at 1, and the pool would drain
+        # before the trickle (17.8 s before it with the hold set after the heavy run's end; during the
+        # TPOT checks below with the hold set after them: two clean-clone runs). Advisory decisions are
+        # still made and recorded, which is all the checks below read
+        fleet.pool.spec.autoscaling.mode = "advisory"
+        assert not loop.drains, loop.drains
         # the load pushed TPOT over the target (the calibrated policy may act on the demand first), in the
         # acting loop's windows and in Prometheus's. Waited for while the heavy run goes on: a heavy
         # request takes 48 steps of a batch of up to 32, so when the demand alone has already added the
@@ -150,9 +157,6 @@ def test_decode_scales_up_under_load_then_drains_a_busy_worker(tmp_path):
         # streams fit one replica at the target (the calibration's batch-2 step is well under the
         # target's multiple of its batch-1 step), so the pool drains a worker that still streams one of
         # them, lets it finish at full length and stops it: zero failed requests.
-        # held from before the heavy run ends: its demand alone may already size decode at 1 (a clean-clone
-        # run drained 17.8 s before the trickle with the hold set after the heavy run's end)
-        fleet.pool.spec.autoscaling.mode = "advisory"
         assert not loop.drains, loop.drains
         heavy.terminate()   # the rest of the heavy run is not needed (a terminated client is not a failure)
         heavy.wait(60)
