@@ -183,9 +183,11 @@ class Load:
     the concurrency stepping through ``levels`` (the last one repeats), until :meth:`stop`; the run in
     progress then finishes, so every request sent is counted."""
 
-    def __init__(self, url: str, levels: tuple[int, ...], output_len: int, rounds: int, phase: str):
+    def __init__(self, url: str, levels: tuple[int, ...], output_len: int, rounds: int, phase: str,
+                 seed: int = 0):
         from tandem.worker.bench.tokens import DEFAULT_TOKENIZER, PromptMaker, load_tokenizer
         self.url, self.levels, self.output_len, self.rounds, self.phase = url, levels, output_len, rounds, phase
+        self.seed = seed   # the prompts' seed: loops given different ones send different prompts
         self.maker = PromptMaker(load_tokenizer(DEFAULT_TOKENIZER))
         self.runs: list[dict] = []
         self.error: BaseException | None = None
@@ -202,7 +204,7 @@ class Load:
         try:
             while not self._stop.is_set():
                 conc = self.levels[min(i, len(self.levels) - 1)]
-                ds = random_dataset(self.maker, conc * self.rounds, 32, self.output_len, seed=i)
+                ds = random_dataset(self.maker, conc * self.rounds, 32, self.output_len, seed=self.seed + i)
                 started = time.time()
                 res = asyncio.run(run(Target(self.url, MODEL), ds, LoadShape(concurrency=conc, seed=i), warm_up=False))
                 s = summarize(res)
@@ -343,7 +345,10 @@ def test_kubectl_apply_to_answers_under_load_scaling_up_and_down_without_a_faile
         # two closed loops of one stream each, not one loop of two: a run of two waits for its slower
         # stream, and in that tail one pod is idle (a drain then rightly picks it); each loop replaces
         # its stream at once, on the pod that just freed (the least loaded)
-        trickle = [Load(url, (1,), trickle_len, rounds=1, phase="trickle") for _ in range(2)]
+        # with prompts of their own: the same prompt twice, the router's prefix affinity sent both streams
+        # to the pod that held it, and the drain then rightly picked the idle one (a clean-clone run,
+        # seventeenth session)
+        trickle = [Load(url, (1,), trickle_len, rounds=1, phase="trickle", seed=1000 * k) for k in range(2)]
         t_trickle = time.time()
         ramp = [r for s in heavy.runs for r in s["records"] if r.ok]
         fig["ramp"] = {"requests": len(ramp), "runs": len(heavy.runs),
