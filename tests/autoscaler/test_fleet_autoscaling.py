@@ -121,16 +121,20 @@ def test_decode_scales_up_under_load_then_drains_a_busy_worker(tmp_path):
         # a load that pushes TPOT over the target: the decode pool grows to 2
         heavy = _bench(fleet.endpoint, tmp_path / "heavy", "--num-prompts", "4000", "--concurrency", "32",
                        "--output-len", "48", "--fail-on-error")
+        def ups() -> list:
+            return [d for d in list(loop.decisions) if d["decode"]["desired"] > d["decode"]["current"] and d["acted"]]
+        assert wait_for(lambda: ups() and len(fleet.workers("decode")) == 2, timeout=200, interval=0.5), \
+            list(loop.decisions)[-5:]
+        # held from the scale-up on (advisory mode, as a user holds a pool with `mode: advisory`; the
+        # replica it started still comes up): once the second worker cuts TPOT, the heavy run's demand
+        # alone may size decode at 1, and the pool would drain before the trickle (17.8 s before it with
+        # the hold set after the heavy run's end; during the TPOT checks, and as the second worker came
+        # up, with the hold set later: three clean-clone runs). Advisory decisions are still made and
+        # recorded, which is all the checks below read
+        fleet.pool.spec.autoscaling.mode = "advisory"
         grew = wait_for(lambda: len([p for p in fleet.workers("decode") if p.state == "ready"]) == 2, timeout=200,
                         interval=1)
-        ups = [d for d in loop.decisions if d["decode"]["desired"] > d["decode"]["current"]]
-        assert grew and ups, f"decode never reached 2 ready workers; decisions: {list(loop.decisions)[-5:]}"
-        # held from here on (advisory mode, as a user holds a pool with `mode: advisory`): once the second
-        # worker has cut TPOT, the heavy run's demand alone may size decode at 1, and the pool would drain
-        # before the trickle (17.8 s before it with the hold set after the heavy run's end; during the
-        # TPOT checks below with the hold set after them: two clean-clone runs). Advisory decisions are
-        # still made and recorded, which is all the checks below read
-        fleet.pool.spec.autoscaling.mode = "advisory"
+        assert grew, f"decode never reached 2 ready workers; decisions: {list(loop.decisions)[-5:]}"
         assert not loop.drains, loop.drains
         # the load pushed TPOT over the target (the calibrated policy may act on the demand first), in the
         # acting loop's windows and in Prometheus's. Waited for while the heavy run goes on: a heavy
