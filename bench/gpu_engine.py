@@ -4,7 +4,7 @@ against Hugging Face transformers (sdpa) in the same run.
 * TTFT: one prompt of 512 / 2k / 8k / 16k tokens, ``max_tokens=1``, prefix caching off, median of
   3 after a warm-up. transformers: one forward over the prompt with a cache and ``logits_to_keep=1``
   (what ``generate`` does for its first token).
-* Decode step at batch 1 and 32 (prompts of 512 tokens): the engine's ``step()`` once every
+* Decode step at batch 1 and 32 (prompts of 512 tokens; ``--batches``, ``--contexts`` for others): the engine's ``step()`` once every
   sequence decodes (on CUDA it replays CUDA graphs, ``EngineConfig.cuda_graphs``), and the model's
   decode forward alone replayed from a graph ("ours graph ms": no scheduler, no sampler);
   transformers: one forward of one token per sequence with its DynamicCache, and
@@ -159,7 +159,7 @@ def bench_decode(engine, hf, batches, prompt_len, vocab, device, rows, steps=12)
                     t_hf.append(time.perf_counter() - t0)
                 past = out.past_key_values
         theirs = statistics.median(t_hf)
-        row = {"what": "decode step", "batch": bsz, "ours ms": ours * 1e3, "hf ms": theirs * 1e3,
+        row = {"what": "decode step", "batch": bsz, "context": prompt_len, "ours ms": ours * 1e3, "hf ms": theirs * 1e3,
                "ours/hf": ours / theirs}
         graph_ms = graph_decode_step(engine, bsz, prompt_len, device, steps)
         if graph_ms is not None:
@@ -260,6 +260,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lengths", default="512,2048,8192,16384")
     ap.add_argument("--batches", default="1,32")
+    ap.add_argument("--contexts", default="512", help="decode steps at these prompt lengths (tokens)")
     ap.add_argument("--backend", default="triton")
     ap.add_argument("--quantization", default="none", choices=["none", "fp8"])
     ap.add_argument("--compile", action="store_true", help="also time HF's static cache + torch.compile")
@@ -268,29 +269,30 @@ def main() -> int:
     import torch
     if args.dry_run:
         device, dtype, dtype_name, shape, backend = "cpu", torch.float32, "float32", TINY, "torch"
-        lengths, batches = [16, 40], [1, 3]
+        lengths, batches, contexts = [16, 40], [1, 3], [12]
     else:
         device = str(require_cuda("gpu_engine"))
         dtype, dtype_name, shape, backend = torch.bfloat16, "bfloat16", LLAMA3_8B, args.backend
         lengths = [int(v) for v in args.lengths.split(",")]
         batches = [int(v) for v in args.batches.split(",")]
+        contexts = [int(v) for v in args.contexts.split(",")]
     torch.manual_seed(0)
     t0 = time.perf_counter()
     hf, loaded = build_models(shape, device, dtype)
     max_len = max(lengths) + 64
-    prompt_len = 512 if not args.dry_run else 12
-    blocks = max(max_len // 16 + 8, max(batches) * (prompt_len + 64) // 16 + 8)
+    blocks = max(max_len // 16 + 8, max(batches) * (max(contexts) + 64) // 16 + 8)
     engine = make_engine(loaded, device, dtype_name, backend, max_len, blocks, max(lengths),
                          args.quantization)
     print(f"models built in {time.perf_counter() - t0:.1f}s; backend {engine.runner.ops.backend}", flush=True)
     rows = []
     bench_ttft(engine, hf, lengths, shape["vocab_size"], device, rows)
-    bench_decode(engine, hf, batches, prompt_len, shape["vocab_size"], device, rows)
+    for prompt_len in contexts:
+        bench_decode(engine, hf, batches, prompt_len, shape["vocab_size"], device, rows)
     if args.compile:
         del engine  # frees its KV cache and fused weights before compiling
         bench_decode_compiled(hf, rows, device)
     print("\nengine vs transformers (sdpa), Llama-3-8B shape, random weights")
-    print(table(rows, ["what", "tokens", "batch", "ours ms", "ours graph ms", "hf ms", "ours/hf",
+    print(table(rows, ["what", "tokens", "batch", "context", "ours ms", "ours graph ms", "hf ms", "ours/hf",
                        "graph/hf", "hf static+compile ms", "ours/hf-compiled"]))
     return 0
 

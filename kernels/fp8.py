@@ -71,12 +71,14 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, min_scale,
         cols = k0 + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + row * stride_x + cols, mask=cols < K, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.max(amax, 0) / 448.0, min_scale)
+    # IEEE-rounded division (div.rn): on a GPU Triton's `/` on float32 is the approximate div.full,
+    # which moved some values onto the next fp8 step against torch's reference (first H200 run)
+    scale = tl.maximum(tl.math.div_rn(tl.max(amax, 0), 448.0), min_scale)
     tl.store(s_ptr + row, scale)
     for k0 in range(0, K, BLOCK):
         cols = k0 + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + row * stride_x + cols, mask=cols < K, other=0.0).to(tl.float32)
-        tl.store(q_ptr + row * K + cols, to_fp8_e4m3(x / scale, INTERP), mask=cols < K)
+        tl.store(q_ptr + row * K + cols, to_fp8_e4m3(tl.math.div_rn(x, scale), INTERP), mask=cols < K)
 
 
 def quantize_per_token_fp8_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
