@@ -19,12 +19,15 @@ from ._triton import interpreting, next_pow2, tl, to_fp8_e4m3, triton
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
+_INV_FP8_MAX = 1.0 / FP8_MAX
 _MIN_SCALE = 1e-12 / FP8_MAX  # an all-zero row gets a tiny scale, not a division by zero
 
 
 def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     xf = x.float()
-    scale = (xf.abs().amax(dim=-1) / FP8_MAX).clamp(min=_MIN_SCALE)
+    # times the float32 reciprocal, not a division: PyTorch on CUDA divides by a scalar that way,
+    # so this one expression gives the same bits on the CPU, on CUDA and in the Triton kernel
+    scale = (xf.abs().amax(dim=-1) * _INV_FP8_MAX).clamp(min=_MIN_SCALE)
     q = (xf / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, scale
 
@@ -71,13 +74,12 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, min_scale,
         cols = k0 + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + row * stride_x + cols, mask=cols < K, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    # IEEE-rounded division (div.rn): on a GPU Triton's `/` on float32 is the approximate div.full,
-    # which moved some values onto the next fp8 step against torch's reference (first H200 run)
-    scale = tl.maximum(tl.math.div_rn(tl.max(amax, 0), 448.0), min_scale)
+    scale = tl.maximum(tl.max(amax, 0) * (1.0 / 448.0), min_scale)
     tl.store(s_ptr + row, scale)
     for k0 in range(0, K, BLOCK):
         cols = k0 + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + row * stride_x + cols, mask=cols < K, other=0.0).to(tl.float32)
+        # div_rn: on a GPU Triton's float32 `/` is the approximate div.full, torch's is IEEE-rounded
         tl.store(q_ptr + row * K + cols, to_fp8_e4m3(tl.math.div_rn(x, scale), INTERP), mask=cols < K)
 
 
