@@ -30,6 +30,7 @@ from gpu_common import record, require_cuda, table  # noqa: E402
 
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
                  num_heads=32, num_kv_heads=8, head_dim=128)
+DECODE_ROOM = 256  # tokens past the longest prompt: the decode rows' max_tokens, and KV blocks for them
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=192, num_layers=2, num_heads=4,
             num_kv_heads=2, head_dim=16)
 
@@ -126,19 +127,28 @@ def bench_decode(engine, hf, batches, prompt_len, vocab, device, rows, steps=12)
     import torch
     for bsz in batches:
         prompts = [torch.randint(0, vocab, (prompt_len,)).tolist() for _ in range(bsz)]
-        params = {"temperature": 0, "max_tokens": steps + 4, "ignore_eos": True}
+        # room for the tokens the first sequences decode while later ones still prefill (chunked
+        # prefill mixes them); too few and they finish inside the timed steps (seqs/step < batch)
+        params = {"temperature": 0, "max_tokens": DECODE_ROOM - 8, "ignore_eos": True}
         for i, p in enumerate(prompts):
             engine.add_request(f"dec-{bsz}-{i}", prompt_token_ids=p, params=params)
         while any(s.in_prefill for s in engine.seqs.values()):
             engine.step()
         engine.step()  # first pure decode step (warm-up)
-        times = []
+        times, decoded = [], []
+        preempted = engine.scheduler.num_preemptions
         for _ in range(steps):
             sync(device)
             t0 = time.perf_counter()
-            engine.step()
+            out = engine.step()
             sync(device)
             times.append(time.perf_counter() - t0)
+            decoded.append(len(out))
+        # a step that decoded fewer than bsz sequences (preemption, a cap) is not a batch-bsz step
+        seqs_per_step = statistics.median(decoded)
+        preempted = engine.scheduler.num_preemptions - preempted
+        for i in range(bsz):
+            engine.abort(f"dec-{bsz}-{i}")
         while engine.has_unfinished():
             engine.step()
         ours = statistics.median(times)
@@ -147,11 +157,11 @@ def bench_decode(engine, hf, batches, prompt_len, vocab, device, rows, steps=12)
         try:
             theirs = _hf_decode_step(hf, x, device, steps)
             row = {"what": "decode step", "batch": bsz, "context": prompt_len, "ours ms": ours * 1e3,
-                   "hf ms": theirs * 1e3, "ours/hf": ours / theirs}
+                   "hf ms": theirs * 1e3, "ours/hf": ours / theirs, "seqs/step": seqs_per_step, "preempted": preempted}
         except torch.OutOfMemoryError:  # HF prefills the whole batch in one forward; ours chunks it
             torch.cuda.empty_cache()
             row = {"what": "decode step", "batch": bsz, "context": prompt_len, "ours ms": ours * 1e3,
-                   "hf ms": "n/a (out of memory)"}
+                   "hf ms": "n/a (out of memory)", "seqs/step": seqs_per_step, "preempted": preempted}
         graph_ms = graph_decode_step(engine, bsz, prompt_len, device, steps)
         if graph_ms is not None:
             row["ours graph ms"] = graph_ms
@@ -290,8 +300,8 @@ def main() -> int:
     torch.manual_seed(0)
     t0 = time.perf_counter()
     hf, loaded = build_models(shape, device, dtype)
-    max_len = max(lengths) + 64
-    blocks = max(max_len // 16 + 8, max(batches) * (max(contexts) + 64) // 16 + 8)
+    max_len = max(lengths + contexts) + DECODE_ROOM
+    blocks = max(max_len // 16 + 8, max(batches) * (max(contexts) + DECODE_ROOM) // 16 + 8)
     engine = make_engine(loaded, device, dtype_name, backend, max_len, blocks, max(lengths),
                          args.quantization)
     print(f"models built in {time.perf_counter() - t0:.1f}s; backend {engine.runner.ops.backend}", flush=True)
@@ -303,7 +313,7 @@ def main() -> int:
         del engine  # frees its KV cache and fused weights before compiling
         bench_decode_compiled(hf, rows, device)
     print("\nengine vs transformers (sdpa), Llama-3-8B shape, random weights")
-    print(table(rows, ["what", "tokens", "batch", "context", "ours ms", "ours graph ms", "hf ms", "ours/hf",
+    print(table(rows, ["what", "tokens", "batch", "context", "seqs/step", "preempted", "ours ms", "ours graph ms", "hf ms", "ours/hf",
                        "graph/hf", "hf static+compile ms", "ours/hf-compiled"]))
     return 0
 
