@@ -87,6 +87,17 @@ def main() -> int:
             check(f"prefill h{hq}/{hk} d{d}", dtype,
                   attention.prefill_attention_triton(qp, kc, vc, tables, cu, seq_lens, d ** -0.5),
                   attention.prefill_attention_ref(qp.double(), kc.double(), vc.double(), tables, cu, seq_lens, d ** -0.5))
+            if d == 128:  # 128-token pages with TMA loads (PREFILL_CONFIG["tma"]; Hopper or the interpreter)
+                from tandem.kernels import prefill as prefill_mod
+                kc128, vc128, tables128 = paged_cache(lens, hk, d, 128, dtype, dev)
+                prefill_mod.PREFILL_CONFIG["tma"] = True
+                try:
+                    out = attention.prefill_attention_triton(qp, kc128, vc128, tables128, cu, seq_lens, d ** -0.5)
+                finally:
+                    prefill_mod.PREFILL_CONFIG["tma"] = False
+                check(f"prefill h{hq}/{hk} d{d} 128-token pages, TMA", dtype, out,
+                      attention.prefill_attention_ref(qp.double(), kc128.double(), vc128.double(), tables128, cu,
+                                                      seq_lens, d ** -0.5))
             qd = torch.randn(len(lens), hq, d, dtype=dtype, device=dev)
             for splits in (None, 1, 7):
                 check(f"decode h{hq}/{hk} d{d} splits={splits or 'auto'}", dtype,
