@@ -11,6 +11,7 @@ import asyncio
 import os
 import resource
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -84,9 +85,12 @@ def raw_request(port: int, head: bytes) -> bytes:
 
 def test_idle_connections_neither_exhaust_fds_nor_slow_health(router):
     """2,000 connections that send nothing: the router holds at most what fits its 1024 descriptors
-    (the oldest idle ones are closed for new ones), and /health, each time on a new connection, answers
-    within a bound far above its normal ~5 ms. Before the fix every connection was kept (for an hour):
-    accept() hit EMFILE and /health could not connect."""
+    (the oldest idle ones are closed for new ones), and /health, each time on a new connection, answers:
+    the median of 10 probes within 0.5 s (normally ~20 ms on 2 loaded cores), each within 5 s. Before
+    the fix every connection was kept (for an hour): accept() hit EMFILE and /health could not connect
+    (the 10 s timeout). The 5 s is not the router's speed: while the burst's connects whose SYN the full
+    listen backlog dropped come back (the kernel resends a SYN after 1 s, then 3 s), a probe's own SYN
+    can be dropped too and wait for its resend; one clean-clone run measured 1.017 s that way."""
     proc, url, port = router
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < 2300:
@@ -112,13 +116,14 @@ def test_idle_connections_neither_exhaust_fds_nor_slow_health(router):
                     raise
                 time.sleep(0.2)
         assert first.status_code == 200
-        worst = 0.0
+        took = []
         for _ in range(10):   # then, with the 2,000 still open, ~20 ms each on 2 loaded cores
             t0 = time.monotonic()
             r = requests.get(url + "/health", timeout=10, headers={"Connection": "close"})
-            worst = max(worst, time.monotonic() - t0)
+            took.append(time.monotonic() - t0)
             assert r.status_code == 200
-        assert worst < 1.0, f"/health took {worst:.3f} s with 2,000 idle connections open"
+        assert statistics.median(took) < 0.5 and max(took) < 5.0, \
+            f"/health took {sorted(took)} s with 2,000 idle connections open"
         fds = len(os.listdir(f"/proc/{proc.pid}/fd"))
         assert fds < FD_LIMIT, fds
         assert proc.poll() is None
