@@ -106,8 +106,12 @@ def test_decode_scales_up_under_load_then_drains_a_busy_worker(tmp_path):
         # the single request's TPOT, the median of three: this machine is shared, and a target set on a
         # lucky measurement would read a trickle as a breach, one set on a measurement slowed by a
         # neighbour's burst would hide the heavy run's breach (beside a chaos soak the three ranged
-        # from 83 to 201 ms in one run)
-        singles = sorted(single_tpot(fleet.endpoint) for _ in range(3))
+        # from 83 to 201 ms in one run); three that disagree by over 1.3x are measured again, up to
+        # three times (a clean-clone run got [107, 205, 206]: a target of 2.5x 205 ms hid the breach)
+        for _ in range(3):
+            singles = sorted(single_tpot(fleet.endpoint) for _ in range(3))
+            if singles[-1] <= 1.3 * singles[0]:
+                break
         single = singles[1]
         target = TPOT_TARGET_FACTOR * single
         fleet.pool.spec.decode.autoscaling.target.seconds = target
