@@ -6,6 +6,7 @@ with the GPU, the commit and the date, for bench/RESULTS.md.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -131,3 +132,14 @@ def paged_cache(lens: list[int], hk: int, d: int, block_size: int, dtype, device
         tables[b, :nb] = ids[off:off + nb].int()
         off += nb
     return kc, vc, tables
+
+
+@contextlib.contextmanager
+def prefill_tma():
+    """Prefill with TMA loads (``PREFILL_CONFIG["tma"]``) inside the block, the default path after it."""
+    from tandem.kernels import prefill as prefill_mod
+    prefill_mod.PREFILL_CONFIG["tma"] = True
+    try:
+        yield
+    finally:
+        prefill_mod.PREFILL_CONFIG["tma"] = False

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_common import SMOKE, paged_cache, record, rel_err, require_cuda, table  # noqa: E402
+from gpu_common import SMOKE, paged_cache, prefill_tma, record, rel_err, require_cuda, table  # noqa: E402
 
 
 def main() -> int:
@@ -88,13 +88,9 @@ def main() -> int:
                   attention.prefill_attention_triton(qp, kc, vc, tables, cu, seq_lens, d ** -0.5),
                   attention.prefill_attention_ref(qp.double(), kc.double(), vc.double(), tables, cu, seq_lens, d ** -0.5))
             if d == 128:  # 128-token pages with TMA loads (PREFILL_CONFIG["tma"]; Hopper or the interpreter)
-                from tandem.kernels import prefill as prefill_mod
                 kc128, vc128, tables128 = paged_cache(lens, hk, d, 128, dtype, dev)
-                prefill_mod.PREFILL_CONFIG["tma"] = True
-                try:
+                with prefill_tma():
                     out = attention.prefill_attention_triton(qp, kc128, vc128, tables128, cu, seq_lens, d ** -0.5)
-                finally:
-                    prefill_mod.PREFILL_CONFIG["tma"] = False
                 check(f"prefill h{hq}/{hk} d{d} 128-token pages, TMA", dtype, out,
                       attention.prefill_attention_ref(qp.double(), kc128.double(), vc128.double(), tables128, cu,
                                                       seq_lens, d ** -0.5))

@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_common import SMOKE, cuda_time_ms, paged_cache, record, require_cuda, table  # noqa: E402
+from gpu_common import SMOKE, cuda_time_ms, paged_cache, prefill_tma, record, require_cuda, table  # noqa: E402
 
 
 def sdpa_backends():
@@ -49,18 +49,15 @@ def bench_prefill(dev, lengths, rows):
         ms = cuda_time_ms(lambda: prefill_attention_triton(q, kc, vc, tables, cu, seq_lens, scale))
         row["ours ms"], row["ours TF/s"] = ms, flops / ms / 1e9
         # 128-token blocks: the same gather kernel, then tensor-descriptor (TMA) loads, one per tile
-        from tandem.kernels import prefill as prefill_mod
         kc128, vc128, tables128 = paged_cache([n], hk, d, 128, dtype, dev)
         ms_g = cuda_time_ms(lambda: prefill_attention_triton(q, kc128, vc128, tables128, cu, seq_lens, scale))
         row["bs128 TF/s"] = flops / ms_g / 1e9
-        prefill_mod.PREFILL_CONFIG["tma"] = True
         try:
-            ms_t = cuda_time_ms(lambda: prefill_attention_triton(q, kc128, vc128, tables128, cu, seq_lens, scale))
+            with prefill_tma():
+                ms_t = cuda_time_ms(lambda: prefill_attention_triton(q, kc128, vc128, tables128, cu, seq_lens, scale))
             row["bs128 TMA TF/s"] = flops / ms_t / 1e9
         except Exception as e:
             row["bs128 TMA TF/s"] = f"n/a ({type(e).__name__}: {str(e)[:80]})"
-        finally:
-            prefill_mod.PREFILL_CONFIG["tma"] = False
         del kc128, vc128
         # the same total keys, half of them a cached prefix: the query half costs 3/4 of the full causal work
         half = n // 2
