@@ -1,0 +1,97 @@
+"""tandem's policy with some knobs changed, against its shipped defaults, in the same run: on the fixed
+scenarios of a calibration (the tuning seed is 1) and on the halves of an imported trace. The tool that
+the "tried and not landed" entries of bench/RESULTS.md use, so that each is reproducible from the repo.
+
+    PYTHONSAFEPATH=1 .venv/bin/python bench/policy_variants.py \
+        --calibration bench/calibrations/smollm2-cpu-scenarios.yaml --scenarios all --seeds 1 \
+        [--trace ../shared/traces/azure2023_code.csv --format azure --scale 10] [--jobs 2] \
+        '{"headroom": 0.7}' '{"recurring_windows": 2}'
+
+Each argument is a JSON object of ``Autoscaler`` keyword arguments (operator/autoscaler/policy.py); the
+shipped defaults (``{}``) always run first. The table gives TTFT and TPOT attainment (the share of
+minutes whose p90 meets the SLO), GPU-hours, and GPU-hours over the defaults' on the same input (a ratio,
+so comparable across machines; the simulator is deterministic, so figures are too). Trace halves are run
+as bench/trace_table.py runs them (SLOs from the whole trace's p90 lengths, each half from its own start).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import trace_table as T  # noqa: E402  (bench/ is not a package)
+
+from tandem.operator.autoscaler.capacity import PerfModel  # noqa: E402
+from tandem.operator.simulate import run as R  # noqa: E402
+from tandem.operator.simulate import scenarios as S  # noqa: E402
+from tandem.worker.api.calibration import Calibration  # noqa: E402
+
+
+def _scenario(job):
+    cal_path, name, seed, knobs = job
+    cal = Calibration.load(cal_path)
+    perf = PerfModel.of(cal)
+    m, _ = R.run_one("tandem", S.build(name, perf, seed), perf, cal, knobs)
+    return m
+
+
+def _trace(job):
+    _, half, _, knobs = job
+    return T._run(("tandem", knobs, half))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("variants", nargs="*", help="JSON objects of Autoscaler keyword arguments")
+    ap.add_argument("--calibration", required=True)
+    ap.add_argument("--scenarios", default="", help="'all', or comma-separated names (default: none)")
+    ap.add_argument("--seeds", default="1", help="comma-separated seeds for --scenarios (tuning: 1)")
+    ap.add_argument("--trace", help="an Azure or Mooncake trace file; both halves are run")
+    ap.add_argument("--format", default="azure")
+    ap.add_argument("--scale", type=int, default=1)
+    ap.add_argument("--jobs", type=int, default=2)
+    args = ap.parse_args()
+    try:
+        variants = [{}] + [json.loads(v) for v in args.variants]
+    except json.JSONDecodeError as e:
+        ap.error(f"a variant is not a JSON object: {e}")
+    if any(not isinstance(v, dict) for v in variants):
+        ap.error("each variant must be a JSON object, e.g. '{\"headroom\": 0.7}'")
+    names = list(S.NAMES) if args.scenarios == "all" else [n for n in args.scenarios.split(",") if n]
+    unknown = [n for n in names if n not in S.NAMES]
+    if unknown:
+        ap.error(f"unknown scenario(s) {unknown}; known: {', '.join(S.NAMES)}")
+    if not names and not args.trace:
+        ap.error("nothing to run: give --scenarios and/or --trace")
+    seeds = [int(s) for s in args.seeds.split(",")]
+    t0 = time.time()
+    rows = []   # (input label, variant, metrics)
+    jobs = [(args.calibration, n, s, v) for v in variants for s in seeds for n in names]
+    if jobs:
+        with ProcessPoolExecutor(args.jobs) as ex:
+            rows += [(f"{j[1]} seed {j[2]}", j[3], m) for j, m in zip(jobs, ex.map(_scenario, jobs))]
+    if args.trace:
+        init = (args.format, args.trace, args.scale, args.calibration)
+        tjobs = [(None, h, None, v) for v in variants for h in ("first", "second")]
+        with ProcessPoolExecutor(args.jobs, initializer=T._setup, initargs=init) as ex:
+            rows += [(f"{Path(args.trace).name} x{args.scale} {j[1]} half", j[3], m)
+                     for j, m in zip(tjobs, ex.map(_trace, tjobs))]
+    base = {label: m["gpu_hours"] for label, v, m in rows if v == {}}
+    print(f"calibration {args.calibration}\n")
+    print("| input | variant | TTFT att. | TPOT att. | GPU-h | GPU-h / defaults' |")
+    print("|---|---|---|---|---|---|")
+    for label in dict.fromkeys(label for label, _, _ in rows):
+        for lab, v, m in rows:
+            if lab == label:
+                ratio = m["gpu_hours"] / base[label] if base[label] else float("nan")
+                print(f"| {label} | {json.dumps(v) if v else 'defaults'} | {100 * m['attainment_ttft']:.1f}% | "
+                      f"{100 * m['attainment_tpot']:.1f}% | {m['gpu_hours']:.2f} | x{ratio:.3f} |")
+    print(f"\n({time.time() - t0:.0f} s wall)")
+
+
+if __name__ == "__main__":
+    main()
