@@ -24,6 +24,9 @@ stands in for an upstream metric:
   everyone's. No causal policy that sizes from the present load does better than it at the same
   utilization, so its settings, all run, show which aims a reactive policy can reach at all
   (``run.reach``). A yardstick, like the oracle, not a peer.
+- ``oracle-reactive-behaved``: the reactive oracle held to the pool spec's scaling behavior (stabilization
+  windows and steps), which tandem's policy keeps and the plain one ignores; ``run.reach`` uses it to
+  tell an aim a reactive policy misses because of the pool's behavior from one it misses on its own.
 
 The simulator decides every 15 s (HPA's default sync period; AIBrix reconciles every 10 s; Dynamo's planner
 acts every 180 s). The snapshot's latency is the role's p90 over the last 30 s.
@@ -611,3 +614,53 @@ class ReactiveOracle(Oracle):
     name = "oracle-reactive"
     ignores_startup = False
     ahead = 0
+
+
+class BehavedReactiveOracle(ReactiveOracle):
+    """The reactive oracle held to the pool's own scaling behavior, as tandem's policy is held to it: each
+    role's ``autoscaling.behavior`` from the spec (Kubernetes HPA's semantics,
+    ``HorizontalController.stabilizeRecommendationWithBehaviors`` and ``calculateScaleUpLimitWithScalingRules``
+    / ``calculateScaleDownLimitWithBehaviors`` in pkg/controller/podautoscaler/horizontal.go, with the spec's
+    one policy per direction): a scale-up takes the lowest recommendation of the up window and at most
+    ``maxStep`` replicas per ``periodSeconds``; a scale-down the highest of the down window and at most
+    ``maxStep`` per ``periodSeconds``. The plain reactive oracle ignores both, so it drops a burst's
+    replicas the minute the burst ends, which no policy that keeps the pool's behavior can do.
+
+    A yardstick, not a peer: ``run.reach`` asks whether an aim the plain reactive oracle reaches is still
+    reachable by a reactive policy that keeps the behavior (with the scenarios' 300 s window and one
+    replica a minute down, it is not always).
+
+    Args:
+        behavior: {role: :class:`~tandem.operator.autoscaler.policy.RoleLimits`} (windows and periods in
+            seconds, steps in replicas); the other arguments as for :class:`Oracle`.
+    """
+    name = "oracle-reactive-behaved"
+
+    def __init__(self, perf: PerfModel, targets: dict, minutes: list, behavior: dict, **kw):
+        super().__init__(perf, targets, minutes, **kw)
+        self.behavior = behavior
+        self.recs = {r: [] for r in ROLES}       # (at, the unbehaved recommendation)
+        self.changes = {r: [] for r in ROLES}    # (at, applied delta)
+
+    def decide(self, snap: PoolSnapshot) -> Decision:
+        d = super().decide(snap)
+        for r in ROLES:
+            x, lim = d.role(r), self.behavior[r]
+            cur, want, at = x.current, x.desired, snap.at
+            span = max(lim.up_window, lim.down_window, lim.up_period, lim.down_period)
+            self.recs[r] = [(t, v) for t, v in self.recs[r] if t > at - span] + [(at, want)]
+            self.changes[r] = [(t, n) for t, n in self.changes[r] if t > at - span]
+            if want > cur:
+                want = max(cur, min(v for t, v in self.recs[r] if t >= at - lim.up_window))
+                used = sum(n for t, n in self.changes[r] if n > 0 and t > at - lim.up_period)
+                want = min(want, cur + max(0, lim.up_step - used))
+            elif want < cur:
+                want = min(cur, max(v for t, v in self.recs[r] if t >= at - lim.down_window))
+                used = -sum(n for t, n in self.changes[r] if n < 0 and t > at - lim.down_period)
+                want = max(want, cur - max(0, lim.down_step - used))
+            if want != cur:
+                self.changes[r].append((at, want - cur))
+            if want != x.desired:
+                x.reason += f"; {want} by the pool's behavior"
+            x.desired = want
+        return d

@@ -53,6 +53,10 @@ GRIDS = {
     "oracle": [{"utilization": u} for u in (1.0, 1.25, 1.5, 2.0)],
     "oracle-reactive": [{"utilization": u} for u in (0.6, 0.8, 1.0, 1.25, 1.5, 2.0)],
 }
+GRIDS["oracle-reactive-behaved"] = GRIDS["oracle-reactive"]
+#: The reactive oracle held to the pool's scaling behavior (baselines.BehavedReactiveOracle): a second
+#: judge in :func:`reach`, not in the table.
+BEHAVED = "oracle-reactive-behaved"
 #: The aims :func:`reach` judges (by their opening words): attainment, cost and the comparisons.
 REACH_AIMS = ("attainment", "GPU-hours", "beats")
 #: The two aims every other aim is weighed against in :func:`reach`.
@@ -108,6 +112,10 @@ def make_policy(name: str, spec, perf: PerfModel, calibration, targets: dict, mi
         return B.Oracle(perf, targets, minutes, **k, max_replicas=max_replicas)
     if name == "oracle-reactive":
         return B.ReactiveOracle(perf, targets, minutes, **k, max_replicas=max_replicas)
+    if name == BEHAVED:
+        from tandem.operator.autoscaler.policy import RoleLimits
+        behavior = {r: RoleLimits.of(getattr(spec, r), 1.0) for r in ROLES}
+        return B.BehavedReactiveOracle(perf, targets, minutes, behavior, **k, max_replicas=max_replicas)
     raise ValueError(f"unknown policy {name!r} (one of {', '.join(POLICIES)})")
 
 
@@ -390,48 +398,68 @@ def aims(tab: dict, frontier: Optional[dict] = None) -> list[dict]:
     return out
 
 
-def reactive_frontier(perf: PerfModel, calibration, seed: int = 0, names=S.NAMES) -> dict:
-    """{scenario: [metrics]}: the reactive oracle at every setting of its grid, on the evaluation seed."""
+def reactive_frontier(perf: PerfModel, calibration, seed: int = 0, names=S.NAMES,
+                      policy: str = "oracle-reactive") -> dict:
+    """{scenario: [metrics]}: the reactive oracle (or ``policy``: :data:`BEHAVED`, the one held to the pool's
+    behavior) at every setting of its grid, on the evaluation seed."""
     out = {}
     for n in names:
         sc = S.build(n, perf, seed)
-        out[n] = [run_one("oracle-reactive", sc, perf, calibration, k)[0] for k in GRIDS["oracle-reactive"]]
+        out[n] = [run_one(policy, sc, perf, calibration, k)[0] for k in GRIDS[policy]]
     return out
 
 
-def reach(tab: dict, frontier: dict) -> dict:
+def reach(tab: dict, frontier: dict, behaved: Optional[dict] = None) -> dict:
     """{(scenario, aim): verdict} for the aims of :func:`aims` on attainment, cost and the comparisons
     with the peers (:data:`REACH_AIMS`; not the "all" rows), asking whether a
     reactive policy can reach it: each setting of the reactive oracle (:func:`reactive_frontier`) is put
-    in tandem's place and the aims evaluated. Verdicts:
+    in tandem's place and the aims evaluated (the cost aim's yardstick stays ``frontier``). Verdicts:
 
     - ``"out of reach"``: no setting meets the aim;
     - ``"only by missing <aim>"``: the settings that meet it all miss a core aim (:data:`CORE_AIMS`);
     - ``"reachable"``: some setting meets it and both core aims.
 
+    With ``behaved`` (the same for :data:`BEHAVED`, the reactive oracle held to the pool's scaling
+    behavior as tandem's policy is), an aim reachable above is judged again with those settings in
+    tandem's place; where none of them reaches it the verdict is ``"reachable only past the pool's
+    behavior: held to it, <that verdict>"``, a miss the pool's stabilization windows and steps cause.
+
     Foresight (the oracle) or hindsight (the best static fleet) can do what no setting here does: an
     aim out of reach here is out of reach for any policy that sizes from the load it has seen."""
     out = {}
     for sc, points in frontier.items():
-        per_point = [{r["aim"]: r["ok"] for r in aims({sc: {**tab[sc], "tandem": m}}, {sc: points})
-                      if r["scenario"] == sc}
-                     for m in points]
-        for aim in per_point[0]:
-            if not aim.startswith(REACH_AIMS):
-                continue   # direction changes and the shifts' split depend on smoothing, not on reaching
-            meeting = [ok for ok in per_point if ok[aim]]
-            if not meeting:
-                out[(sc, aim)] = "out of reach"
-            elif any(all(ok[c] for c in CORE_AIMS) for ok in meeting):
-                out[(sc, aim)] = "reachable"
-            else:
-                missed = sorted({c for ok in meeting for c in CORE_AIMS if not ok[c]})
-                out[(sc, aim)] = "only by missing " + " or ".join(missed)
+        plain = _verdicts(tab, sc, points, points)
+        held = _verdicts(tab, sc, behaved[sc], points) if behaved is not None else {}
+        for aim, v in plain.items():
+            if v == "reachable" and held and held[aim] != "reachable":
+                v = f"reachable only past the pool's behavior: held to it, {held[aim]}"
+            out[(sc, aim)] = v
+    return out
+
+
+def _verdicts(tab: dict, sc: str, candidates: list[dict], yardstick: list[dict]) -> dict:
+    """{aim: verdict} of :func:`reach` for one scenario, ``candidates`` in tandem's place."""
+    per_point = [{r["aim"]: r["ok"] for r in aims({sc: {**tab[sc], "tandem": m}}, {sc: yardstick})
+                  if r["scenario"] == sc}
+                 for m in candidates]
+    out = {}
+    for aim in per_point[0]:
+        if not aim.startswith(REACH_AIMS):
+            continue   # direction changes and the shifts' split depend on smoothing, not on reaching
+        meeting = [ok for ok in per_point if ok[aim]]
+        if not meeting:
+            out[aim] = "out of reach"
+        elif any(all(ok[c] for c in CORE_AIMS) for ok in meeting):
+            out[aim] = "reachable"
+        else:
+            missed = sorted({c for ok in meeting for c in CORE_AIMS if not ok[c]})
+            out[aim] = "only by missing " + " or ".join(missed)
     return out
 
 
 def format_frontier(frontier: dict) -> str:
-    """A Markdown table of the reactive oracle's settings: attainment and GPU-hours per scenario."""
+    """A Markdown table of the reactive oracle's settings (or :data:`BEHAVED`'s): attainment and GPU-hours
+    per scenario."""
     us = [k["utilization"] for k in GRIDS["oracle-reactive"]]
     lines = ["| scenario | " + " | ".join(f"u={u:g}" for u in us) + " |", "|" + "---|" * (len(us) + 1),
              "| | " + " | ".join("TTFT / TPOT att., GPU-h" for _ in us) + " |"]

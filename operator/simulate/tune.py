@@ -6,8 +6,9 @@ issue's aims.
     python -m tandem.operator.simulate.tune --policies apa,kpa   # re-tune these, keep the rest of tuned.json
     python -m tandem.operator.simulate.tune --tandem-grid [--seed 1]   # tandem's own defaults (run.TANDEM_GRID)
 
-The table is followed by the reactive oracle at every setting of its grid and, for each aim tandem
-misses, whether any of those settings reaches it (``run.reach``).
+The table is followed by the reactive oracle at every setting of its grid (plain, and held to the pool's
+scaling behavior) and, for each aim tandem misses, whether any of those settings reaches it
+(``run.reach``).
 """
 from __future__ import annotations
 
@@ -36,11 +37,11 @@ def _tune_one(args) -> tuple[str, dict]:
 
 
 def _seed0_one(args) -> dict:
-    """One scenario of :func:`table_all` (``tuned`` given) or of :func:`frontier_all` (None)."""
+    """One scenario of :func:`table_all` (``tuned`` given) or of :func:`frontier_all` (a policy name)."""
     cal_path, name, tuned = args
     cal = Calibration.load(cal_path)
-    if tuned is None:
-        return R.reactive_frontier(PerfModel.of(cal), cal, 0, [name])
+    if isinstance(tuned, str):
+        return R.reactive_frontier(PerfModel.of(cal), cal, 0, [name], policy=tuned)
     return R.table(PerfModel.of(cal), cal, tuned, 0, [name])
 
 
@@ -109,9 +110,10 @@ def table_all(cal_path, tuned: dict, jobs: int = 2) -> dict:
     return _seed0_all(cal_path, tuned, jobs)
 
 
-def frontier_all(cal_path, jobs: int = 2) -> dict:
-    """{scenario: [metrics]}: :func:`run.reactive_frontier` on seed 0, scenarios spread over ``jobs``."""
-    return _seed0_all(cal_path, None, jobs)
+def frontier_all(cal_path, jobs: int = 2, policy: str = "oracle-reactive") -> dict:
+    """{scenario: [metrics]}: :func:`run.reactive_frontier` on seed 0 (of ``policy``: the reactive oracle,
+    or :data:`run.BEHAVED`), scenarios spread over ``jobs``."""
+    return _seed0_all(cal_path, policy, jobs)
 
 
 def format_reach(rows: list[dict], verdicts: dict) -> str:
@@ -173,9 +175,11 @@ def main(argv=None) -> int:
         print(f"tuned in {time.time() - t0:.0f} s -> {tuned_path}", file=sys.stderr)
     tab = table_all(args.calibration, tuned, args.jobs)
     front = frontier_all(args.calibration, args.jobs)
+    held = frontier_all(args.calibration, args.jobs, R.BEHAVED)
     rows = R.aims(tab, front)
     text = (R.format_table(tab) + "\n\n" + R.format_aims(rows) + "\n\nThe reactive oracle at every setting (seed 0):\n\n"
-            + R.format_frontier(front) + "\n\n" + format_reach(rows, R.reach(tab, front)))
+            + R.format_frontier(front) + "\n\nThe same, held to the pool's scaling behavior (seed 0):\n\n"
+            + R.format_frontier(held) + "\n\n" + format_reach(rows, R.reach(tab, front, held)))
     print(text)
     if args.markdown:
         Path(args.markdown).write_text(text + "\n")

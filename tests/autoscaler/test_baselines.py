@@ -134,3 +134,29 @@ def test_dynamo_default_predictor_is_auto_arima():
     for v in [140.0, 150.0, 160.0, 170.0, 180.0, 190.0]:
         p.add_data_point(v)
     assert math.isclose(p.predict_next(), 200.0, rel_tol=0.03)
+
+
+def test_the_reactive_oracle_held_to_the_pools_behavior_replays_hpa_behavior():
+    """The yardstick ``run.reach`` uses beside the plain reactive oracle: its recommendation (here forced,
+    one per tick) goes through the pool's behavior as HPA applies it (horizontal.go
+    stabilizeRecommendationWithBehaviors, calculateScaleUpLimitWithScalingRules and
+    calculateScaleDownLimitWithBehaviors, one policy per direction)."""
+    from tandem.operator.autoscaler.policy import RoleLimits
+    # the scenarios' behavior: up no window, +4 per 30 s; down the largest of 300 s, -1 per 60 s
+    lim = RoleLimits(True, 1, 16, 1.0, 90.0, 0.1, 0.0, 4, 30.0, 300.0, 1, 60.0, 1)
+    oracle = B.BehavedReactiveOracle(None, TARGETS, [{}], {"prefill": lim, "decode": lim})
+    recs = iter([{"prefill": 12, "decode": 3}, {"prefill": 12, "decode": 3}, {"prefill": 2, "decode": 2},
+                 {"prefill": 2, "decode": 2}])
+    oracle.need = lambda load: next(recs)
+    # t=0: prefill 2 -> 12 wanted, +4 per 30 s -> 6. decode 4 -> 3 wanted: the largest of the down window
+    #   (only itself) is 3, -1 per 60 s allows it -> 3.
+    assert counts(oracle, snap(0, {"ready": 2}, {"ready": 4})) == (6, 3)
+    # t=15: prefill 6 -> 12: the +4 of t=0 is within the 30 s period, so no room -> 6.
+    #   decode 3 -> 3: stays.
+    assert counts(oracle, snap(15, {"ready": 2, "starting": 4}, {"ready": 3})) == (6, 3)
+    # t=45: prefill 6 -> 2 wanted: the down window holds max(12, 12, 2) = 12 >= 6 -> stays 6.
+    #   decode 3 -> 2: the window's largest is 3 -> 3.
+    assert counts(oracle, snap(45, {"ready": 6}, {"ready": 3})) == (6, 3)
+    # t=400: the window (t > 100) holds only this tick's 2; -1 per 60 s (nothing went down within 60 s)
+    #   -> prefill 6 - 1 = 5, decode 3 - 1 = 2.
+    assert counts(oracle, snap(400, {"ready": 6}, {"ready": 3})) == (5, 2)

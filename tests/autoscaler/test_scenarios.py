@@ -52,7 +52,7 @@ KNOWN_MISSES: dict = {
     ('diurnal', 'beats dynamo'):
         'no setting of the reactive oracle meets it; attainment 96.7% vs 5.0%, GPU-h 13.73 vs 6.76',
     ('bursts', 'GPU-hours <= 1.1x reactive oracle'):
-        "tandem's own: a setting of the reactive oracle meets it and both core aims; 16.84 vs 13.07 (x1.29; the reactive oracle at utilization 1, attainment 95.0%); the oracle with foresight 10.52",
+        "the pool's behavior's: a setting of the reactive oracle meets it and both core aims, but held to the pool's scale-down window and step none does (at 95% attainment it costs 18.61, tandem x0.91); 16.84 vs 13.07 (x1.29; the reactive oracle at utilization 1, attainment 95.0%); the oracle with foresight 10.52",
     ('bursts', 'GPU-hours <= 0.7x best static'):
         'the reactive oracle meets it only by missing attainment >= 95% (TTFT and TPOT); 16.84 vs 13.01 (x1.30; static meets the SLO)',
     ('bursts', 'beats static'):
@@ -90,10 +90,12 @@ ORACLE_MISSES = "the oracle meets the SLO"   # not an aim of the issue: a check 
 #: Known misses that some setting of the reactive oracle reaches while meeting both core aims: tandem's
 #: own shortfalls, not the start-up's or the yardsticks' (``run.reach``). Since the decode hold's share
 #: (fourteenth session) they are diurnal's comparisons, where tandem's TTFT attainment is 96.7% against
-#: the peers' 98.3-100% (it is cheaper than each of them), and bursts' cost, where the reactive oracle at
-#: utilization 1.0 meets the SLO at 13.07 GPU-hours against tandem's 16.84: decode held up by the 300 s
-#: scale-down window after each burst, which the oracle does not honour (docs/autoscaler.md).
-TANDEM_OWN: set = {('diurnal', 'beats hpa-queue'), ('diurnal', 'beats hpa-slo'), ('diurnal', 'beats apa'), ('bursts', 'GPU-hours <= 1.1x reactive oracle')}
+#: the peers' 98.3-100% (it is cheaper than each of them). Bursts' cost (the reactive oracle at
+#: utilization 1.0 meets the SLO at 13.07 GPU-hours against tandem's 16.84) left this set in the twentieth
+#: session: it is the pool's scale-down window and step (300 s, one replica a minute), which the plain
+#: oracle ignores; held to them, its cheapest setting at 95% attainment costs 18.61 (docs/autoscaler.md,
+#: "The cost yardstick held to the pool's behavior").
+TANDEM_OWN: set = {('diurnal', 'beats hpa-queue'), ('diurnal', 'beats hpa-slo'), ('diurnal', 'beats apa')}
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +107,12 @@ def table():
 def front():
     """The reactive oracle at every setting of its grid (the cost aim's yardstick, ``run.reach``'s judge)."""
     return frontier_all(DEFAULT_CALIBRATION, jobs=2)
+
+
+@pytest.fixture(scope="module")
+def held():
+    """The same, held to the pool's scaling behavior (``run.reach``'s second judge)."""
+    return frontier_all(DEFAULT_CALIBRATION, jobs=2, policy=R.BEHAVED)
 
 
 def test_every_policy_on_every_scenario(table, front):
@@ -122,15 +130,17 @@ def test_every_policy_on_every_scenario(table, front):
         assert R.meets(pols["oracle"]) != ((sc, ORACLE_MISSES) in KNOWN_MISSES), sc
 
 
-def test_known_misses_are_out_of_reach_of_a_reactive_policy(table, front):
+def test_known_misses_are_out_of_reach_of_a_reactive_policy(table, front, held):
     """Each known miss on attainment, cost or a comparison is checked, not just asserted: the reactive
     oracle (the load of the present minute known exactly, replicas paying the start-up) is run at every
-    setting of its grid in tandem's place. Where no setting meets the aim, or none meets it without
-    missing a core aim, the miss belongs to the start-up time and the yardsticks; where one does, it is
-    tandem's own and must be listed in TANDEM_OWN."""
-    verdicts = R.reach(table, front)
+    setting of its grid in tandem's place, plain and held to the pool's scaling behavior. Where no
+    setting meets the aim, or none meets it without missing a core aim, or only the plain one does, the
+    miss belongs to the start-up time, the yardsticks or the pool's behavior; where one held to the
+    behavior does, it is tandem's own and must be listed in TANDEM_OWN."""
+    verdicts = R.reach(table, front, held)
     rows = R.aims(table, front)
-    print("\n" + R.format_frontier(front) + "\n\n" + format_reach(rows, verdicts))
+    print("\n" + R.format_frontier(front) + "\n\n" + R.format_frontier(held) + "\n\n"
+          + format_reach(rows, verdicts))
     judged = {k: v for k, v in verdicts.items() if k in KNOWN_MISSES}
     assert judged, "no known miss was judged"
     own = {k for k, v in judged.items() if v == "reachable"}
