@@ -9,9 +9,9 @@ the "tried and not landed" entries of bench/RESULTS.md use, so that each is repr
 
 Each argument is a JSON object of ``Autoscaler`` keyword arguments (operator/autoscaler/policy.py); the
 shipped defaults (``{}``) always run first. The table gives TTFT and TPOT attainment (the share of
-minutes whose p90 meets the SLO), GPU-hours, and GPU-hours over the defaults' on the same input (a ratio,
-so comparable across machines; the simulator is deterministic, so figures are too). Trace halves are run
-as bench/trace_table.py runs them (SLOs from the whole trace's p90 lengths, each half from its own start).
+minutes whose p90 meets the SLO), GPU-hours, and GPU-hours over the defaults' on the same input (the
+simulator is deterministic, so every figure repeats on any machine). Trace halves are run as
+bench/trace_table.py runs them (SLOs from the whole trace's p90 lengths, each half from its own start).
 """
 from __future__ import annotations
 
@@ -61,13 +61,20 @@ def main() -> None:
         ap.error(f"a variant is not a JSON object: {e}")
     if any(not isinstance(v, dict) for v in variants):
         ap.error("each variant must be a JSON object, e.g. '{\"headroom\": 0.7}'")
+    if any(not v for v in variants[1:]) or len({json.dumps(v, sort_keys=True) for v in variants}) < len(variants):
+        ap.error("the defaults always run first: give each variant once, each with at least one knob")
+    if any("startup_s" in v for v in variants):
+        ap.error("startup_s is the scenarios' start-up (120 s), not a knob to vary here")
     names = list(S.NAMES) if args.scenarios == "all" else [n for n in args.scenarios.split(",") if n]
     unknown = [n for n in names if n not in S.NAMES]
     if unknown:
         ap.error(f"unknown scenario(s) {unknown}; known: {', '.join(S.NAMES)}")
     if not names and not args.trace:
         ap.error("nothing to run: give --scenarios and/or --trace")
-    seeds = [int(s) for s in args.seeds.split(",")]
+    try:
+        seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
+    except ValueError:
+        ap.error(f"--seeds: comma-separated integers, not {args.seeds!r}")
     t0 = time.time()
     rows = []   # (input label, variant, metrics)
     jobs = [(args.calibration, n, s, v) for v in variants for s in seeds for n in names]

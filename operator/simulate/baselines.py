@@ -623,8 +623,10 @@ class BehavedReactiveOracle(ReactiveOracle):
     / ``calculateScaleDownLimitWithBehaviors`` in pkg/controller/podautoscaler/horizontal.go, with the spec's
     one policy per direction): a scale-up takes the lowest recommendation of the up window and at most
     ``maxStep`` replicas per ``periodSeconds``; a scale-down the highest of the down window and at most
-    ``maxStep`` per ``periodSeconds``. The plain reactive oracle ignores both, so it drops a burst's
-    replicas the minute the burst ends, which no policy that keeps the pool's behavior can do.
+    ``maxStep`` per ``periodSeconds``; the count found at first sight counts as a recommendation
+    (``recordInitialRecommendation``). The plain reactive oracle ignores all of it, so it drops a burst's
+    replicas the minute the burst ends, which no policy that keeps the pool's behavior can do. (tandem's
+    policy keeps a sample exactly one window old, HPA does not: the oracle is 15 s quicker at the edge.)
 
     A yardstick, not a peer: ``run.reach`` asks whether an aim the plain reactive oracle reaches is still
     reachable by a reactive policy that keeps the behavior (with the scenarios' 300 s window and one
@@ -639,7 +641,7 @@ class BehavedReactiveOracle(ReactiveOracle):
     def __init__(self, perf: PerfModel, targets: dict, minutes: list, behavior: dict, **kw):
         super().__init__(perf, targets, minutes, **kw)
         self.behavior = behavior
-        self.recs = {r: [] for r in ROLES}       # (at, the unbehaved recommendation)
+        self.recs = {r: None for r in ROLES}     # (at, the unbehaved recommendation); None until first seen
         self.changes = {r: [] for r in ROLES}    # (at, applied delta)
 
     def decide(self, snap: PoolSnapshot) -> Decision:
@@ -647,17 +649,24 @@ class BehavedReactiveOracle(ReactiveOracle):
         for r in ROLES:
             x, lim = d.role(r), self.behavior[r]
             cur, want, at = x.current, x.desired, snap.at
+            if self.recs[r] is None:
+                # recordInitialRecommendation: the count found at first sight is a recommendation, so the
+                # first down window cannot drop below it (tandem's policy does the same)
+                self.recs[r] = [(at, cur)]
             span = max(lim.up_window, lim.down_window, lim.up_period, lim.down_period)
-            self.recs[r] = [(t, v) for t, v in self.recs[r] if t > at - span] + [(at, want)]
+            prior = [(t, v) for t, v in self.recs[r] if t > at - span]
             self.changes[r] = [(t, n) for t, n in self.changes[r] if t > at - span]
+            # HPA's cut-offs are strict (``timestamp.After(now - window)``): with no up window only the
+            # present recommendation counts
             if want > cur:
-                want = max(cur, min(v for t, v in self.recs[r] if t >= at - lim.up_window))
+                want = max(cur, min([want] + [v for t, v in prior if t > at - lim.up_window]))
                 used = sum(n for t, n in self.changes[r] if n > 0 and t > at - lim.up_period)
                 want = min(want, cur + max(0, lim.up_step - used))
             elif want < cur:
-                want = min(cur, max(v for t, v in self.recs[r] if t >= at - lim.down_window))
+                want = min(cur, max([want] + [v for t, v in prior if t > at - lim.down_window]))
                 used = -sum(n for t, n in self.changes[r] if n < 0 and t > at - lim.down_period)
                 want = max(want, cur - max(0, lim.down_step - used))
+            self.recs[r] = prior + [(at, x.desired)]
             if want != cur:
                 self.changes[r].append((at, want - cur))
             if want != x.desired:

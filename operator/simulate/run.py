@@ -420,19 +420,27 @@ def reach(tab: dict, frontier: dict, behaved: Optional[dict] = None) -> dict:
     - ``"reachable"``: some setting meets it and both core aims.
 
     With ``behaved`` (the same for :data:`BEHAVED`, the reactive oracle held to the pool's scaling
-    behavior as tandem's policy is), an aim reachable above is judged again with those settings in
-    tandem's place; where none of them reaches it the verdict is ``"reachable only past the pool's
-    behavior: held to it, <that verdict>"``, a miss the pool's stabilization windows and steps cause.
+    behavior as tandem's policy is), an aim reachable above is judged again in a world where every
+    reactive policy keeps that behavior: the behaved settings are the yardstick of the cost aim there,
+    and the candidates in tandem's place. The cost aim itself is excused when tandem meets it against
+    that yardstick; another aim when no behaved setting reaches it. The verdict is then ``"reachable
+    only past the pool's behavior: <why>"``; otherwise it stays ``"reachable"``, tandem's own.
 
     Foresight (the oracle) or hindsight (the best static fleet) can do what no setting here does: an
     aim out of reach here is out of reach for any policy that sizes from the load it has seen."""
     out = {}
     for sc, points in frontier.items():
         plain = _verdicts(tab, sc, points, points)
-        held = _verdicts(tab, sc, behaved[sc], points) if behaved is not None else {}
+        held = _verdicts(tab, sc, behaved[sc], behaved[sc]) if behaved is not None else {}
         for aim, v in plain.items():
-            if v == "reachable" and held and held[aim] != "reachable":
-                v = f"reachable only past the pool's behavior: held to it, {held[aim]}"
+            if v == "reachable" and held:
+                if aim == COST_AIM:
+                    ok, detail = _cost_ok(tab[sc]["tandem"], behaved[sc])
+                    if ok:
+                        v = (f"reachable only past the pool's behavior: against the reactive oracle held to it "
+                             f"tandem meets it, {detail}")
+                elif held[aim] != "reachable":
+                    v = f"reachable only past the pool's behavior: held to it, {held[aim]}"
             out[(sc, aim)] = v
     return out
 

@@ -139,8 +139,9 @@ def test_dynamo_default_predictor_is_auto_arima():
 def test_the_reactive_oracle_held_to_the_pools_behavior_replays_hpa_behavior():
     """The yardstick ``run.reach`` uses beside the plain reactive oracle: its recommendation (here forced,
     one per tick) goes through the pool's behavior as HPA applies it (horizontal.go
-    stabilizeRecommendationWithBehaviors, calculateScaleUpLimitWithScalingRules and
-    calculateScaleDownLimitWithBehaviors, one policy per direction)."""
+    recordInitialRecommendation, stabilizeRecommendationWithBehaviors with its strict cut-offs,
+    calculateScaleUpLimitWithScalingRules and calculateScaleDownLimitWithBehaviors, one policy per
+    direction)."""
     from tandem.operator.autoscaler.policy import RoleLimits
     # the scenarios' behavior: up no window, +4 per 30 s; down the largest of 300 s, -1 per 60 s
     lim = RoleLimits(True, 1, 16, 1.0, 90.0, 0.1, 0.0, 4, 30.0, 300.0, 1, 60.0, 1)
@@ -148,15 +149,16 @@ def test_the_reactive_oracle_held_to_the_pools_behavior_replays_hpa_behavior():
     recs = iter([{"prefill": 12, "decode": 3}, {"prefill": 12, "decode": 3}, {"prefill": 2, "decode": 2},
                  {"prefill": 2, "decode": 2}])
     oracle.need = lambda load: next(recs)
-    # t=0: prefill 2 -> 12 wanted, +4 per 30 s -> 6. decode 4 -> 3 wanted: the largest of the down window
-    #   (only itself) is 3, -1 per 60 s allows it -> 3.
-    assert counts(oracle, snap(0, {"ready": 2}, {"ready": 4})) == (6, 3)
+    # t=0, first sight: the current counts (prefill 2, decode 4) are recorded at t=0.
+    #   prefill 2 -> 12: the up window (0 s) holds nothing after t=0, so 12; +4 per 30 s -> 6.
+    #   decode 4 -> 3: the down window holds the initial 4, max(3, 4) = 4 -> stays 4.
+    assert counts(oracle, snap(0, {"ready": 2}, {"ready": 4})) == (6, 4)
     # t=15: prefill 6 -> 12: the +4 of t=0 is within the 30 s period, so no room -> 6.
-    #   decode 3 -> 3: stays.
-    assert counts(oracle, snap(15, {"ready": 2, "starting": 4}, {"ready": 3})) == (6, 3)
-    # t=45: prefill 6 -> 2 wanted: the down window holds max(12, 12, 2) = 12 >= 6 -> stays 6.
-    #   decode 3 -> 2: the window's largest is 3 -> 3.
-    assert counts(oracle, snap(45, {"ready": 6}, {"ready": 3})) == (6, 3)
-    # t=400: the window (t > 100) holds only this tick's 2; -1 per 60 s (nothing went down within 60 s)
-    #   -> prefill 6 - 1 = 5, decode 3 - 1 = 2.
-    assert counts(oracle, snap(400, {"ready": 6}, {"ready": 3})) == (5, 2)
+    #   decode 4 -> 3: the window holds 4 (t=0's initial) -> 4.
+    assert counts(oracle, snap(15, {"ready": 2, "starting": 4}, {"ready": 4})) == (6, 4)
+    # t=45: prefill 6 -> 2: the down window holds max(2, 12, 12, 2) = 12 >= 6 -> stays 6.
+    #   decode 4 -> 2: max(2, 4, 3, 3) = 4 -> 4.
+    assert counts(oracle, snap(45, {"ready": 6}, {"ready": 4})) == (6, 4)
+    # t=400: the window (after t=100) holds nothing older, so 2; -1 per 60 s (nothing went down within
+    #   60 s) -> prefill 6 - 1 = 5, decode 4 - 1 = 3.
+    assert counts(oracle, snap(400, {"ready": 6}, {"ready": 4})) == (5, 3)
