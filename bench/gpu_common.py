@@ -136,10 +136,11 @@ def paged_cache(lens: list[int], hk: int, d: int, block_size: int, dtype, device
 
 @contextlib.contextmanager
 def prefill_tma():
-    """Prefill with TMA loads (``PREFILL_CONFIG["tma"]``) inside the block, the default path after it."""
+    """Prefill with TMA loads (``PREFILL_CONFIG["tma"]``) inside the block, the path set before it after."""
     from tandem.kernels import prefill as prefill_mod
+    before = prefill_mod.PREFILL_CONFIG["tma"]
     prefill_mod.PREFILL_CONFIG["tma"] = True
     try:
         yield
     finally:
-        prefill_mod.PREFILL_CONFIG["tma"] = False
+        prefill_mod.PREFILL_CONFIG["tma"] = before

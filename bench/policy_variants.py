@@ -40,7 +40,7 @@ def _scenario(job):
 
 
 def _trace(job):
-    _, half, _, knobs = job
+    half, knobs = job
     return T._run(("tandem", knobs, half))
 
 
@@ -83,10 +83,10 @@ def main() -> None:
             rows += [(f"{j[1]} seed {j[2]}", j[3], m) for j, m in zip(jobs, ex.map(_scenario, jobs))]
     if args.trace:
         init = (args.format, args.trace, args.scale, args.calibration)
-        tjobs = [(None, h, None, v) for v in variants for h in ("first", "second")]
+        tjobs = [(h, v) for v in variants for h in ("first", "second")]
         with ProcessPoolExecutor(args.jobs, initializer=T._setup, initargs=init) as ex:
-            rows += [(f"{Path(args.trace).name} x{args.scale} {j[1]} half", j[3], m)
-                     for j, m in zip(tjobs, ex.map(_trace, tjobs))]
+            rows += [(f"{Path(args.trace).name} x{args.scale} {h} half", v, m)
+                     for (h, v), m in zip(tjobs, ex.map(_trace, tjobs))]
     base = {label: m["gpu_hours"] for label, v, m in rows if v == {}}
     print(f"calibration {args.calibration}\n")
     print("| input | variant | TTFT att. | TPOT att. | GPU-h | GPU-h / defaults' |")

@@ -37,18 +37,19 @@ def _tune_one(args) -> tuple[str, dict]:
 
 
 def _seed0_one(args) -> dict:
-    """One scenario of :func:`table_all` (``tuned`` given) or of :func:`frontier_all` (a policy name)."""
-    cal_path, name, tuned = args
+    """One scenario of :func:`table_all` (``tuned`` given) or of :func:`frontier_all` (``frontier``: the
+    yardstick's policy name)."""
+    cal_path, name, tuned, frontier = args
     cal = Calibration.load(cal_path)
-    if isinstance(tuned, str):
-        return R.reactive_frontier(PerfModel.of(cal), cal, 0, [name], policy=tuned)
+    if frontier is not None:
+        return R.reactive_frontier(PerfModel.of(cal), cal, 0, [name], policy=frontier)
     return R.table(PerfModel.of(cal), cal, tuned, 0, [name])
 
 
-def _seed0_all(cal_path, tuned, jobs: int) -> dict:
+def _seed0_all(cal_path, tuned, jobs: int, frontier=None) -> dict:
     out = {}
     with ProcessPoolExecutor(jobs) as ex:
-        for d in ex.map(_seed0_one, [(str(cal_path), n, tuned) for n in S.NAMES]):
+        for d in ex.map(_seed0_one, [(str(cal_path), n, tuned, frontier) for n in S.NAMES]):
             out.update(d)
     return out
 
@@ -113,7 +114,7 @@ def table_all(cal_path, tuned: dict, jobs: int = 2) -> dict:
 def frontier_all(cal_path, jobs: int = 2, policy: str = "oracle-reactive") -> dict:
     """{scenario: [metrics]}: :func:`run.reactive_frontier` on seed 0 (of ``policy``: the reactive oracle,
     or :data:`run.BEHAVED`), scenarios spread over ``jobs``."""
-    return _seed0_all(cal_path, policy, jobs)
+    return _seed0_all(cal_path, None, jobs, frontier=policy)
 
 
 def format_reach(rows: list[dict], verdicts: dict) -> str:
