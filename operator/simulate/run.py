@@ -62,6 +62,7 @@ REACH_AIMS = ("attainment", "GPU-hours", "beats")
 #: The two aims every other aim is weighed against in :func:`reach`.
 COST_AIM = "GPU-hours <= 1.1x reactive oracle"
 CORE_AIMS = ("attainment >= 95% (TTFT and TPOT)", COST_AIM)
+HELD_REACHABLE = "reachable held to the pool's behavior"
 #: issue 25's cost aim: at most this times the reactive oracle's GPU-hours at its best setting with the
 #: same attainment (:func:`reactive_yardstick`)
 COST_FACTOR = 1.1
@@ -326,6 +327,16 @@ def _att(m: dict) -> float:
     return min(m["attainment_ttft"], m["attainment_tpot"])
 
 
+def yardsticks(frontier: dict, behaved: Optional[dict] = None) -> dict:
+    """{scenario: [metrics]}: the settings the cost aim (:data:`COST_AIM`) is judged against, the reactive
+    oracle's (:func:`reactive_frontier`) and, given, those of the one held to the pool's behavior
+    (:data:`BEHAVED`). Both see only the present, so the cheaper of the two at an attainment is what such
+    a policy can do: held to the behavior the oracle keeps replicas through a scale-down window, and on
+    the CPU calibration's step that meets 95% at utilization 1.5 for less than the plain oracle's
+    cheapest setting at 95%."""
+    return {sc: list(points) + list((behaved or {}).get(sc, [])) for sc, points in frontier.items()}
+
+
 def reactive_yardstick(points: list[dict], attainment: float) -> Optional[dict]:
     """The reactive oracle at its best setting with the same attainment (issue 25's cost yardstick): of
     its settings (:func:`reactive_frontier`'s metrics for one scenario), the cheapest whose attainment
@@ -343,13 +354,14 @@ def _cost_ok(m: dict, points: list[dict]) -> tuple[bool, str]:
         return True, f"{m['gpu_hours']:.2f}; no setting of the reactive oracle reaches {_att(m):.1%}"
     return (m["gpu_hours"] <= COST_FACTOR * y["gpu_hours"] + 1e-9,
             f"{m['gpu_hours']:.2f} vs {y['gpu_hours']:.2f} (x{m['gpu_hours'] / y['gpu_hours']:.2f}; the reactive "
-            f"oracle at utilization {y['knobs']['utilization']:g}, attainment {_att(y):.1%})")
+            f"oracle{' held to the behavior' if y.get('policy') == BEHAVED else ''} at utilization "
+            f"{y['knobs']['utilization']:g}, attainment {_att(y):.1%})")
 
 
 def aims(tab: dict, frontier: Optional[dict] = None) -> list[dict]:
     """Issues 10's and 25's aims for tandem's policy, each {scenario, aim, ok, detail}, from a table (see
     table()); the cost aim (:data:`COST_AIM`) needs the reactive oracle's settings on each scenario
-    (``frontier``, :func:`reactive_frontier`) and is left out without them."""
+    (``frontier``: :func:`yardsticks`, or :func:`reactive_frontier` alone) and is left out without them."""
     out = []
 
     def add(sc, aim, ok, detail):
@@ -413,7 +425,8 @@ def reach(tab: dict, frontier: dict, behaved: Optional[dict] = None) -> dict:
     """{(scenario, aim): verdict} for the aims of :func:`aims` on attainment, cost and the comparisons
     with the peers (:data:`REACH_AIMS`; not the "all" rows), asking whether a
     reactive policy can reach it: each setting of the reactive oracle (:func:`reactive_frontier`) is put
-    in tandem's place and the aims evaluated (the cost aim's yardstick stays ``frontier``). Verdicts:
+    in tandem's place and the aims evaluated (the cost aim's yardstick stays :func:`yardsticks`: both
+    frontiers). Verdicts:
 
     - ``"out of reach"``: no setting meets the aim;
     - ``"only by missing <aim>"``: the settings that meet it all miss a core aim (:data:`CORE_AIMS`);
@@ -424,16 +437,25 @@ def reach(tab: dict, frontier: dict, behaved: Optional[dict] = None) -> dict:
     reactive policy keeps that behavior: the behaved settings are the yardstick of the cost aim there,
     and the candidates in tandem's place. The cost aim itself is excused when tandem meets it against
     that yardstick; another aim when no behaved setting reaches it. The verdict is then ``"reachable
-    only past the pool's behavior: <why>"``; otherwise it stays ``"reachable"``, tandem's own.
+    only past the pool's behavior: <why>"``; otherwise it stays ``"reachable"``, tandem's own. The other
+    way round, an aim no plain setting reaches may be reached held to the behavior (the scale-down window
+    keeps replicas that the next rise then finds ready): ``"reachable held to the pool's behavior: <the
+    cheapest such setting>"``, tandem's own too (:func:`is_own`).
 
     Foresight (the oracle) or hindsight (the best static fleet) can do what no setting here does: an
     aim out of reach here is out of reach for any policy that sizes from the load it has seen."""
     out = {}
     for sc, points in frontier.items():
-        plain = _verdicts(tab, sc, points, points)
-        held = _verdicts(tab, sc, behaved[sc], behaved[sc]) if behaved is not None else {}
+        plain = _verdicts(tab, sc, points, yardsticks({sc: points}, behaved)[sc])
+        witness: dict = {}
+        held = _verdicts(tab, sc, behaved[sc], behaved[sc], witness) if behaved is not None else {}
         for aim, v in plain.items():
-            if v == "reachable" and held:
+            if v != "reachable" and held.get(aim) == "reachable":
+                w = witness[aim]
+                v = (f"{HELD_REACHABLE}: the reactive oracle held to it at utilization {w['knobs']['utilization']:g}, "
+                     f"TTFT / TPOT {w['attainment_ttft']:.1%} / {w['attainment_tpot']:.1%} at {w['gpu_hours']:.2f} "
+                     f"GPU-h (plain: {v})")
+            elif v == "reachable" and held:
                 if aim == COST_AIM:
                     ok, detail = _cost_ok(tab[sc]["tandem"], behaved[sc])
                     if ok:
@@ -445,8 +467,16 @@ def reach(tab: dict, frontier: dict, behaved: Optional[dict] = None) -> dict:
     return out
 
 
-def _verdicts(tab: dict, sc: str, candidates: list[dict], yardstick: list[dict]) -> dict:
-    """{aim: verdict} of :func:`reach` for one scenario, ``candidates`` in tandem's place."""
+def is_own(verdict: str) -> bool:
+    """Whether a :func:`reach` verdict makes the miss tandem's own: a reactive policy that keeps the pool's
+    behavior, as tandem does, meets the aim and both core aims."""
+    return verdict == "reachable" or verdict.startswith(HELD_REACHABLE)
+
+
+def _verdicts(tab: dict, sc: str, candidates: list[dict], yardstick: list[dict],
+              witness: Optional[dict] = None) -> dict:
+    """{aim: verdict} of :func:`reach` for one scenario, ``candidates`` in tandem's place; ``witness``, when
+    given, gets {aim: the cheapest candidate meeting it and both core aims} for each reachable aim."""
     per_point = [{r["aim"]: r["ok"] for r in aims({sc: {**tab[sc], "tandem": m}}, {sc: yardstick})
                   if r["scenario"] == sc}
                  for m in candidates]
@@ -459,6 +489,9 @@ def _verdicts(tab: dict, sc: str, candidates: list[dict], yardstick: list[dict])
             out[aim] = "out of reach"
         elif any(all(ok[c] for c in CORE_AIMS) for ok in meeting):
             out[aim] = "reachable"
+            if witness is not None:
+                witness[aim] = min((m for m, ok in zip(candidates, per_point)
+                                    if ok[aim] and all(ok[c] for c in CORE_AIMS)), key=lambda m: m["gpu_hours"])
         else:
             missed = sorted({c for ok in meeting for c in CORE_AIMS if not ok[c]})
             out[aim] = "only by missing " + " or ".join(missed)

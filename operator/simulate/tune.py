@@ -177,7 +177,7 @@ def main(argv=None) -> int:
     tab = table_all(args.calibration, tuned, args.jobs)
     front = frontier_all(args.calibration, args.jobs)
     held = frontier_all(args.calibration, args.jobs, R.BEHAVED)
-    rows = R.aims(tab, front)
+    rows = R.aims(tab, R.yardsticks(front, held))
     text = (R.format_table(tab) + "\n\n" + R.format_aims(rows) + "\n\nThe reactive oracle at every setting (seed 0):\n\n"
             + R.format_frontier(front) + "\n\nThe same, held to the pool's scaling behavior (seed 0):\n\n"
             + R.format_frontier(held) + "\n\n" + format_reach(rows, R.reach(tab, front, held)))
