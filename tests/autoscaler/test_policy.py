@@ -191,6 +191,23 @@ def test_forecast_leads_a_ramp():
     assert needs[-1] > 1.2   # a start-up time ahead of a rising ramp
 
 
+def test_a_level_shift_is_not_extrapolated_as_a_trend():
+    """A step in demand over the forecast window is a new level, not a rise that goes on (``step_fit``,
+    a change-point test): the forecast stays at the level, where the line through the step would plan
+    for 25% more. The ramp above, and the same step with the test off, still lead."""
+    def last(a, rates):
+        for i, x in enumerate(rates):
+            d = steady(a, 15 * i, x, 3, 3, pre_lat=TTFT * 0.5, dec_lat=TPOT * 0.8)
+        return d.prefill.inputs
+    step = [0.2] * 7 + [0.6] * 5
+    off = last(Autoscaler(spec(), CAL, step_fit=0), step)
+    assert off["forecast"] > 1.2 * off["level"]   # the line through the step keeps rising
+    on = last(Autoscaler(spec(), CAL), step)
+    assert on["forecast"] == on["level"] == off["level"]
+    ramp = last(Autoscaler(spec(), CAL), [0.1 + 0.05 * i for i in range(12)])
+    assert ramp["forecast"] > 1.2 * ramp["level"]
+
+
 def test_absorb_bursts_when_prefill_breaks():
     """Prefill is breaking its target and decode has TPOT slack over its outputs for the stall a local
     prefill causes: absorb. With the same slack per token over 4-token outputs the stall does not fit
