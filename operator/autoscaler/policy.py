@@ -39,6 +39,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
 
+from tandem.operator.autoscaler.behavior import stabilized, step_room
 from tandem.operator.autoscaler.capacity import PerfModel
 from tandem.operator.autoscaler.snapshot import Decision, PoolSnapshot, RoleDecision, RoleSnapshot
 
@@ -593,32 +594,27 @@ class Autoscaler:
         # not chased, as a seasoned one would not)
         fresh = self.recurring and at - st.first_at < memory
         if want > cur:
-            window = [r for t, r in st.recs if t >= at - lim.up_window]
-            stab = max(cur, min(window)) if window else want
+            stab = stabilized(cur, want, st.recs, at, lim.up_window)
             if stab < want:
                 want, limited = stab, "stabilization"
             if calm and not recurring and self.confirm_s > 0 and at - st.first_at >= self.confirm_s:
                 seen = max(cur, min(r for t, r in st.recs if t >= at - self.confirm_s))
                 if seen < want:
                     want, limited = seen, "confirmation"
-            used = sum(d for t, d in st.events if d > 0 and t > at - lim.up_period)
-            room = max(0, lim.up_step - used)
+            room = step_room(st.events, at, lim.up_period, lim.up_step, up=True)
             if wake and cur == 0:
                 room = max(room, 1)
             if want > cur + room:
                 want, limited = cur + room, "maxStep"
         elif want < cur:
-            window = [r for t, r in st.recs if t >= at - lim.down_window]
-            if at - st.first_at < lim.down_window:
-                # a restarted autoscaler, or one rebuilt for a new spec generation (a GitOps sync),
-                # counts the current count as recommended until its first decision: it does not drop a
-                # serving pool before a whole window of its own has seen the load
-                window.append(cur)
-            stab = min(cur, max(window)) if window else want
+            # a restarted autoscaler, or one rebuilt for a new spec generation (a GitOps sync), counts the
+            # current count as recommended until its first decision: it does not drop a serving pool
+            # before a whole window of its own has seen the load
+            first = [(at, cur)] if at - st.first_at < lim.down_window else []
+            stab = stabilized(cur, want, list(st.recs) + first, at, lim.down_window)
             if stab > want:
                 want, limited = stab, "stabilization"
-            used = -sum(d for t, d in st.events if d < 0 and t > at - lim.down_period)
-            room = max(0, lim.down_step - used)
+            room = step_room(st.events, at, lim.down_period, lim.down_step, up=False)
             if want < cur - room:
                 want, limited = cur - room, "maxStep"
             # not on the evidence that started them: a window that overlaps the one behind the last

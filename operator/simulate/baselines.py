@@ -37,6 +37,7 @@ import functools
 import math
 from typing import Optional
 
+from tandem.operator.autoscaler.behavior import stabilized, step_room
 from tandem.operator.autoscaler.capacity import PerfModel
 from tandem.operator.autoscaler.snapshot import Decision, PoolSnapshot, RoleDecision
 
@@ -659,13 +660,11 @@ class BehavedReactiveOracle(ReactiveOracle):
             # HPA's cut-offs are strict (``timestamp.After(now - window)``): with no up window only the
             # present recommendation counts
             if want > cur:
-                want = max(cur, min([want] + [v for t, v in prior if t > at - lim.up_window]))
-                used = sum(n for t, n in self.changes[r] if n > 0 and t > at - lim.up_period)
-                want = min(want, cur + max(0, lim.up_step - used))
+                want = stabilized(cur, want, prior, at, lim.up_window, strict=True)
+                want = min(want, cur + step_room(self.changes[r], at, lim.up_period, lim.up_step, up=True))
             elif want < cur:
-                want = min(cur, max([want] + [v for t, v in prior if t > at - lim.down_window]))
-                used = -sum(n for t, n in self.changes[r] if n < 0 and t > at - lim.down_period)
-                want = max(want, cur - max(0, lim.down_step - used))
+                want = stabilized(cur, want, prior, at, lim.down_window, strict=True)
+                want = max(want, cur - step_room(self.changes[r], at, lim.down_period, lim.down_step, up=False))
             self.recs[r] = prior + [(at, x.desired)]
             if want != cur:
                 self.changes[r].append((at, want - cur))

@@ -558,3 +558,21 @@ def test_the_capacity_probe_stops_where_one_replica_fewer_would_break_the_target
     assert factor(calm) > 1.2                   # it probes where one fewer holds
     assert factor(near) == 1.0                  # not where the measured queue says one fewer breaks
     assert factor(near, probe_guard=0) > 1.2    # the blind probe (before) climbed there too
+
+
+def test_hpa_behavior_arithmetic_shared_by_the_policy_and_the_held_oracle():
+    """``behavior.stabilized`` and ``behavior.step_room`` (Kubernetes HPA's stabilization window and step
+    limit, horizontal.go): up takes the lowest recommendation of the window, down the highest, neither
+    past the current count; HPA's cut-off is strict (a sample exactly one window old is out), tandem's
+    keeps it; each direction may move ``step`` per period, less what it moved in the last period."""
+    from tandem.operator.autoscaler.behavior import stabilized, step_room
+    recs = [(0.0, 3), (30.0, 6), (60.0, 9)]
+    assert stabilized(4, 9, recs, 60.0, 60.0) == 4                  # 3, 60 s old, is in the window
+    assert stabilized(4, 9, recs, 60.0, 60.0, strict=True) == 6     # HPA: it is out
+    assert stabilized(8, 2, recs, 60.0, 45.0) == 8                  # down: the highest (9), not above 8
+    assert stabilized(8, 2, recs, 60.0, 0.0, strict=True) == 2      # no window: the present alone
+    assert stabilized(5, 5, recs, 60.0, 60.0) == 5
+    changes = [(0.0, 2), (20.0, 1), (25.0, -1)]
+    assert step_room(changes, 29.0, 30.0, 4, up=True) == 1          # 2 + 1 moved up within 30 s
+    assert step_room(changes, 40.0, 30.0, 4, up=True) == 3          # the first change left the period
+    assert step_room(changes, 40.0, 30.0, 1, up=False) == 0
