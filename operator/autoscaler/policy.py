@@ -11,7 +11,8 @@ The algorithm (docs/autoscaler.md says what comes from whom):
    output tokens per second. Capacity per replica at the SLO comes from the calibration
    (:mod:`.capacity`), its latency multiplied by a correction learned online (observed / predicted).
    Demand is forecast one start-up time ahead (a linear trend over the last few minutes, never below
-   the present; not extrapolated where a level shift fits the window better than the line), and work queued in the workers is added as backlog to clear within a start-up time.
+   the present; not extrapolated where a level shift fits the window better than the line), and work
+   queued in the workers is added as backlog to clear within a start-up time.
    Prefill keeps room for the rises within one start-up time it has seen over the last half hour (a
    quantile of them, ``burst_quantile``): bursts that recur cannot be chased, only provisioned for.
    Decode keeps such room too once its TPOT has broken in two separate rises (``decode_room``).
@@ -217,7 +218,7 @@ class Autoscaler:
             it off). A line through a step in demand keeps rising for a whole forecast window after it,
             and the replicas planned for that were held by the scale-down window: at 1 (the cheapest of
             {1, 1.5, 2} on seed 1) issue 10's scenarios at seed 1 cost 1.6% fewer GPU-hours (step -2.1%,
-            output-shift -2.8%) and the H200 calibration's 1.1% (step -4.2%), the Azure code trace's first
+            output-shift -2.8%) and the H200 calibration's 1.5% (step -4.2%), the Azure code trace's first
             half 2.8%, at the same attainments (bench/RESULTS.md, twenty-first session).
 
     The defaults of ``headroom`` and ``catch_up_s`` were tuned as the simulator's baselines are: on a
