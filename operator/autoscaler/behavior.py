@@ -3,7 +3,7 @@ and the simulator's oracle held to the pool's behavior (``simulate.baselines.Beh
 stabilization windows and step limits per period. It follows ``stabilizeRecommendationWithBehaviors`` and
 ``calculateScaleUpLimitWithScalingRules`` / ``calculateScaleDownLimitWithBehaviors`` in
 kubernetes/kubernetes pkg/controller/podautoscaler/horizontal.go, with one policy per direction (the
-spec's ``maxStep`` per ``periodSeconds``)."""
+spec's ``maxStep`` per ``periodSeconds``; :func:`step_room` says where it differs)."""
 from __future__ import annotations
 
 from typing import Iterable
@@ -25,6 +25,9 @@ def stabilized(cur: int, want: int, recs: Iterable[tuple[float, int]], at: float
 
 def step_room(changes: Iterable[tuple[float, int]], at: float, period: float, step: int, up: bool) -> int:
     """How many replicas one direction may still move by: ``step`` per ``period`` (seconds), less what the
-    ``changes`` (time, applied delta) in that direction moved within the last period."""
+    ``changes`` (time, applied delta) in that direction moved within the last period. Only moves in the
+    same direction count: current upstream HPA starts the period from the count before both directions'
+    moves in it (``periodStartReplicas``), so it gives a scale-up back the replicas removed within its
+    period; neither tandem's policy nor the held oracle does."""
     used = sum(abs(d) for t, d in changes if (d > 0 if up else d < 0) and t > at - period)
     return max(0, step - used)

@@ -11,7 +11,7 @@ The algorithm (docs/autoscaler.md says what comes from whom):
    output tokens per second. Capacity per replica at the SLO comes from the calibration
    (:mod:`.capacity`), its latency multiplied by a correction learned online (observed / predicted).
    Demand is forecast one start-up time ahead (a linear trend over the last few minutes, never below
-   the present; not extrapolated where a level shift fits the window better than the line), and work
+   the present; not extrapolated where a level shift fits the window clearly better than the line), and work
    queued in the workers is added as backlog to clear within a start-up time.
    Prefill keeps room for the rises within one start-up time it has seen over the last half hour (a
    quantile of them, ``burst_quantile``): bursts that recur cannot be chased, only provisioned for.
@@ -215,11 +215,14 @@ class Autoscaler:
 
         step_fit: the forecast extrapolates no trend while two levels split in the window fit it with a
             squared error this many times smaller than the line's, or smaller still (``_forecast``; 0 turns
-            it off). A line through a step in demand keeps rising for a whole forecast window after it,
-            and the replicas planned for that were held by the scale-down window: at 1 (the cheapest of
-            {1, 1.5, 2} on seed 1) issue 10's scenarios at seed 1 cost 1.6% fewer GPU-hours (step -2.1%,
-            output-shift -2.8%) and the H200 calibration's 1.5% (step -4.2%), the Azure code trace's first
-            half 2.8%, at the same attainments (bench/RESULTS.md, twenty-first session).
+            it off; negative raises ValueError). A line through a step in demand keeps rising for a whole
+            forecast window after it, and the replicas planned for that were held by the scale-down
+            window. 1.5 is the Bayesian information criterion's price for the split's two extra parameters
+            (a second mean and the split point) over the window's 12-13 samples, n^(2/n): at 1 a noisy ramp
+            (t about 5) lost its lead in 31% of draws, at 1.5 in 5%, while 96% of noisy steps were still
+            held. At 1.5 issue 10's scenarios at seed 1 cost 1.4% fewer GPU-hours (step -2.1%,
+            output-shift -2.8%), the H200 calibration's 1.5% (step -4.2%) and the Azure code trace's
+            first half 2.8%, at the same attainments (bench/RESULTS.md, twenty-first session).
 
     The defaults of ``headroom`` and ``catch_up_s`` were tuned as the simulator's baselines are: on a
     grid, on issue 10's scenarios at seed 1, one setting for all five (docs/autoscaler.md);
@@ -233,7 +236,7 @@ class Autoscaler:
                  absorb_within_slack: bool = True, recurring: bool = True, recurring_windows: float = 1.0,
                  burst_quantile: float = 0.75, burst_lookback_s: float = 1800.0, probe_memory_s: float = 1800.0,
                  decode_room: float = 0.9, decode_room_breaches: int = 2, decode_room_memory_s: float = 3600.0,
-                 probe_guard: float = 1.0, step_fit: float = 1.0):
+                 probe_guard: float = 1.0, step_fit: float = 1.5):
         self.spec = spec
         self.perf = PerfModel.of(calibration)
         self.startup_s = float(startup_s)
@@ -256,6 +259,8 @@ class Autoscaler:
         self.decode_room_memory_s = float(decode_room_memory_s)
         self.probe_memory_s = float(probe_memory_s)
         self.probe_guard = float(probe_guard)
+        if step_fit < 0:
+            raise ValueError(f"step_fit must be >= 0 (0 turns the level-shift test off), not {step_fit}")
         self.step_fit = float(step_fit)
         self.limits = {"prefill": RoleLimits.of(spec.prefill, 1.0), "decode": RoleLimits.of(spec.decode, 0.1)}
         pa = spec.autoscaling
@@ -533,15 +538,18 @@ class Autoscaler:
 
     @staticmethod
     def _forecast(hist: deque, when: float, now_value: float, step_fit: float = 0.0) -> tuple[float, float]:
-        """(level, forecast) of the demand: a least-squares line through the recent window gives the
+        """(level, forecast) of the demand, in the demand's unit: ``hist`` holds (time s, demand) samples
+        of the recent window, ``when`` is the time (s) to forecast for, ``now_value`` the demand now
+        (used while fewer than 4 samples are held). A least-squares line through the window gives the
         level now (the noise of one window averaged out) and, when its slope is significant (t > 2)
         and rising, the value at ``when``, capped at 1.25x the level (a trend, not a burst).
 
         A rise that is a level shift is not a trend: when two levels split at the best point of the
         window (at least two samples each) leave a squared error ``step_fit`` times smaller than the
-        line's, or smaller still, nothing is extrapolated (a change-point test, as in Prophet's trend
-        changepoints or CUSUM; 0 turns it off). A line through a step keeps rising for a whole window
-        after the step, and the forecast it gives held replicas that the scale-down window then kept.
+        line's, or smaller still, nothing is extrapolated (one least-squares mean-shift test, the first
+        split of binary segmentation; 0 turns it off). A line through a step keeps rising for a whole
+        window after the step, and the forecast it gives held replicas that the scale-down window then
+        kept.
         """
         n = len(hist)
         if n < 4:
@@ -565,8 +573,9 @@ class Autoscaler:
 
     @staticmethod
     def _two_levels_sse(vs: list) -> float:
-        """The least squared error of ``vs`` split in two runs (at least two values each), each at its
-        mean."""
+        """The least squared error (the values' unit squared) of the sequence ``vs`` split in two runs
+        of at least two values each, each run at its mean; ``math.inf`` for fewer than 4 values (no
+        such split)."""
         best = math.inf
         for k in range(2, len(vs) - 1):
             a, b = vs[:k], vs[k:]

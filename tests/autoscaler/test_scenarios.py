@@ -70,36 +70,36 @@ KNOWN_MISSES: dict = {
     ('prompt-shift', 'attainment >= 95% (TTFT and TPOT)'):
         "tandem's own: reachable held to the pool's behavior: the reactive oracle held to it at utilization 0.6, TTFT / TPOT 95.0% / 95.0% at 23.00 GPU-h (plain: out of reach); TTFT 93.3%, TPOT 93.3%",
     ('prompt-shift', 'prefill grows, decode changes by <= 1'):
-        'prefill 3 -> 9, decode 2 -> 9 (medians; the oracle: decode 1 -> 8) (not judged by the reactive oracle)',
+        'prefill 3 -> 9, decode 2 -> 10 (medians; the oracle: decode 1 -> 8) (not judged by the reactive oracle)',
     ('prompt-shift', 'beats static'):
-        'no setting of the reactive oracle meets it; attainment 93.3% vs 95.0%, GPU-h 15.86 vs 14.05',
+        'no setting of the reactive oracle meets it; attainment 93.3% vs 95.0%, GPU-h 16.18 vs 14.05',
     ('prompt-shift', 'beats hpa-slo'):
-        'no setting of the reactive oracle meets it; attainment 93.3% vs 86.7%, GPU-h 15.86 vs 15.32',
+        'no setting of the reactive oracle meets it; attainment 93.3% vs 86.7%, GPU-h 16.18 vs 15.32',
     ('prompt-shift', 'beats kpa'):
-        'the reactive oracle meets it only by missing attainment >= 95% (TTFT and TPOT); attainment 93.3% vs 33.3%, GPU-h 15.86 vs 11.72',
+        'the reactive oracle meets it only by missing attainment >= 95% (TTFT and TPOT); attainment 93.3% vs 33.3%, GPU-h 16.18 vs 11.72',
     ('prompt-shift', 'beats dynamo'):
-        'no setting of the reactive oracle meets it; attainment 93.3% vs 31.7%, GPU-h 15.86 vs 5.78',
+        'no setting of the reactive oracle meets it; attainment 93.3% vs 31.7%, GPU-h 16.18 vs 5.78',
     ('output-shift', 'beats static'):
-        'no setting of the reactive oracle meets it; attainment 95.0% vs 95.0%, GPU-h 11.27 vs 11.01',
+        'no setting of the reactive oracle meets it; attainment 95.0% vs 95.0%, GPU-h 11.45 vs 11.01',
     ('output-shift', 'beats hpa-slo'):
-        'no setting of the reactive oracle meets it; attainment 95.0% vs 100.0%, GPU-h 11.27 vs 15.30',
+        'no setting of the reactive oracle meets it; attainment 95.0% vs 100.0%, GPU-h 11.45 vs 15.30',
     ('output-shift', 'beats kpa'):
-        'the reactive oracle meets it only by missing attainment >= 95% (TTFT and TPOT); attainment 95.0% vs 21.7%, GPU-h 11.27 vs 8.66',
+        'the reactive oracle meets it only by missing attainment >= 95% (TTFT and TPOT); attainment 95.0% vs 21.7%, GPU-h 11.45 vs 8.66',
     ('output-shift', 'beats dynamo'):
-        'no setting of the reactive oracle meets it; attainment 95.0% vs 6.7%, GPU-h 11.27 vs 4.98',
+        'no setting of the reactive oracle meets it; attainment 95.0% vs 6.7%, GPU-h 11.45 vs 4.98',
 }
 ORACLE_MISSES = "the oracle meets the SLO"   # not an aim of the issue: a check of the yardstick
 #: Known misses that some setting of the reactive oracle reaches while meeting both core aims, plain or
 #: held to the pool's scaling behavior as tandem is: tandem's own shortfalls, not the start-up's or the
-#: yardsticks' (``run.reach``, ``run.is_own``). Diurnal's comparisons: tandem's attainment is 95.0-96.7%
-#: against the peers' 98.3-100% (it is cheaper than each of them). Bursts' cost (the plain oracle at
+#: yardsticks' (``run.reach``, ``run.is_own``). Diurnal's comparisons: tandem's attainment (the lower of
+#: TTFT's and TPOT's) is 95.0% against the peers' 98.3-100% (it is cheaper than each of them). Bursts' cost (the plain oracle at
 #: utilization 1.0 meets the SLO at 13.07 GPU-hours against tandem's 16.70) left this set in the twentieth
 #: session: held to the pool's scale-down window and step, the oracle's cheapest setting at 95% costs
 #: 18.61. Since the twenty-first session the cost aim's yardstick is the cheaper of both oracles
 #: (``run.yardsticks``), and an aim out of the plain oracle's reach that the held one reaches is tandem's
 #: own: step's cost (the held oracle at utilization 1.5 meets 95% at 15.65 GPU-hours, tandem 17.61) and
 #: its comparison with the static fleet, and prompt-shift's attainment (the held oracle at utilization 0.6
-#: meets 95% / 95% at 23.00 GPU-hours, 1.45x tandem's 15.86) (docs/autoscaler.md, "Both oracles as the
+#: meets 95% / 95% at 23.00 GPU-hours, 1.42x tandem's 16.18) (docs/autoscaler.md, "Both oracles as the
 #: yardstick").
 TANDEM_OWN: set = {
     ('step', 'GPU-hours <= 1.1x reactive oracle'),
@@ -364,6 +364,7 @@ def test_an_aim_only_the_oracle_held_to_the_behavior_reaches_is_tandems_own():
     v = R.reach(tab, plain, held)[("s", aim)]
     assert R.is_own(v) and v.startswith(R.HELD_REACHABLE) and "utilization 0.6" in v and "23.00" in v, v
     assert not R.is_own(R.reach(tab, plain)[("s", aim)])
+    assert R.reach(tab, plain, {}) == R.reach(tab, plain)   # a scenario with no held frontier: plain alone
 
 
 def test_knobs_are_kept_per_calibration_and_the_table_runs_only_what_was_tuned():
