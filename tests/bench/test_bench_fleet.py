@@ -75,9 +75,11 @@ def test_random_and_sharegpt_runs(fleet, tmp_path):
 def test_prefix_sharing_raises_prefix_cache_hits(fleet, tmp_path):
     before = prefix_hits(fleet)
     s, reqs = bench(fleet, tmp_path / "prefix", "--dataset", "prefix", "--num-prefixes", "2", "--prefix-len", "96",
-                    "--questions-per-prefix", "3", "--input-len", "8", "--output-len", "4", "--request-rate", "3")
+                    "--questions-per-prefix", "3", "--input-len", "8", "--output-len", "4", "--concurrency", "1")
     assert s["completed"] == 6
-    # each later question of a group finds at least the group's full 16-token blocks of the prompt cached
+    # each later question of a group finds at least the group's full 16-token blocks of the prompt cached.
+    # One at a time: a question sent while its group's first prefill is still running cannot hit (blocks
+    # enter the prefix cache once computed, as in vLLM), and at an open-loop rate that happened on a busy CI.
     assert prefix_hits(fleet) - before >= 2 * 2 * 80
 
 
