@@ -276,7 +276,7 @@ def pool_only(request: web.Request, secret: Optional[bytes],
                                         None, "invalid_request_error"), status=401)
 
 
-FROM_POOL = "tandem.from_pool"
+FROM_POOL = web.RequestKey("tandem.from_pool", bool)
 
 
 def from_pool(request: web.Request, secret: Optional[bytes]) -> bool:

@@ -45,6 +45,7 @@ DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20
 
 #: the header that carries the id of a failed request, also in the server's log line for it
 REQUEST_ID_HEADER = "X-Request-Id"
+MAX_REQUEST_BYTES = web.AppKey("max_request_bytes", int)   # the app's body limit, for the 413 message
 
 
 @web.middleware
@@ -57,7 +58,7 @@ async def json_errors(request: web.Request, handler):
     try:
         return await handler(request)
     except web.HTTPRequestEntityTooLarge:
-        limit = request.app["max_request_bytes"]
+        limit = request.app[MAX_REQUEST_BYTES]
         return json_error(f"the request body is larger than this server's limit of {limit} bytes "
                           f"(tandem serve --max-request-bytes)", 413)
     except web.HTTPException as e:
@@ -83,7 +84,7 @@ def openai_app(h, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> web.App
 
     A body over ``max_request_bytes`` is refused with 413 as it arrives, before it is parsed."""
     app = web.Application(client_max_size=max_request_bytes, middlewares=[json_errors])
-    app["max_request_bytes"] = max_request_bytes
+    app[MAX_REQUEST_BYTES] = max_request_bytes
     app.router.add_post("/v1/completions", h.completions)
     app.router.add_post("/v1/chat/completions", h.chat_completions)
     app.router.add_get("/v1/models", h.models)
