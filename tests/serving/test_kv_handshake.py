@@ -165,6 +165,31 @@ def _malformed() -> dict:
     }
 
 
+def test_stop_ends_the_connections_still_open(prefill):
+    """Three clients connect and send nothing: ``stop`` returns at once, not at the 5 s handshake
+    deadline, with no handler of theirs left pending, and each client sees its connection end. Before
+    the fix, ``stop`` did not end them, and a CI run logged a handler torn down when its loop closed."""
+    pe = prefill
+
+    async def main():
+        server = serve(pe, hello_timeout=5.0)
+        port = await server.start("127.0.0.1", 0)
+        conns = [await asyncio.open_connection("127.0.0.1", port) for _ in range(3)]
+        try:
+            assert await until(lambda: server.handshaking == 3), server.handshaking
+            await asyncio.wait_for(server.stop(), 2)
+            mine = {t for t in asyncio.all_tasks() if t is not asyncio.current_task()}
+            assert not [t for t in mine if "_handle" in repr(t.get_coro())], mine
+            ends = await asyncio.wait_for(asyncio.gather(*(r.read() for r, _ in conns), return_exceptions=True), 2)
+            assert all(isinstance(e, ConnectionError) or len(e) < 200 for e in ends), ends   # the CHALLENGE at most
+            assert server.handshaking == 0 and server.active == 0
+        finally:
+            for _, w in conns:
+                w.transport.abort()
+            server.aengine.stop()
+    asyncio.run(main())
+
+
 @pytest.mark.parametrize("case", sorted(_malformed()))
 def test_malformed_hellos_are_refused_and_counted(prefill, case):
     pe = prefill

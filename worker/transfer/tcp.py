@@ -73,6 +73,7 @@ class KVTransferServer:
         self.handshaking = 0     # connections not yet authenticated
         self.accepting = True
         self._logged_at, self._unlogged = -1e9, 0
+        self._handlers: dict[asyncio.Task, asyncio.StreamWriter] = {}   # open connections
 
     async def start(self, host: str, port: int) -> int:
         """Listen; returns the bound port (``port`` 0 picks a free one)."""
@@ -80,8 +81,18 @@ class KVTransferServer:
         return self.server.sockets[0].getsockname()[1]
 
     async def stop(self) -> None:
+        """Stop listening, end the connections still open (a handshake would wait up to ``hello_timeout``,
+        a transfer for the engine), and return once their handlers have finished. On Python 3.11
+        ``wait_closed`` returns without waiting for connections, and a handler left pending when its loop
+        closes is torn down half-run. Each is cancelled and its socket aborted as well: 3.11's ``wait_for``
+        can lose a cancellation that meets a completed wait (gh-86296)."""
         if self.server:
             self.server.close()
+        for task, writer in self._handlers.items():
+            task.cancel()
+            writer.transport.abort()
+        await asyncio.gather(*self._handlers, return_exceptions=True)
+        if self.server:
             await self.server.wait_closed()
 
     def _refuse(self, writer, why: str) -> None:
@@ -111,6 +122,14 @@ class KVTransferServer:
         return proof, parse_json(body), ""
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        self._handlers[task] = writer
+        try:
+            await self._serve(reader, writer)
+        finally:
+            del self._handlers[task]
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if self.handshaking >= self.max_handshakes:
             self._refuse(writer, f"{self.handshaking} connections already unauthenticated")
             writer.transport.abort()
