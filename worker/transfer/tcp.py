@@ -74,24 +74,33 @@ class KVTransferServer:
         self.accepting = True
         self._logged_at, self._unlogged = -1e9, 0
         self._handlers: dict[asyncio.Task, asyncio.StreamWriter] = {}   # open connections
+        self._stopping = False
 
     async def start(self, host: str, port: int) -> int:
         """Listen; returns the bound port (``port`` 0 picks a free one)."""
         self.server = await asyncio.start_server(self._handle, host, port)
         return self.server.sockets[0].getsockname()[1]
 
-    async def stop(self) -> None:
+    async def stop(self, timeout: float = 10.0) -> None:
         """Stop listening, end the connections still open (a handshake would wait up to ``hello_timeout``,
-        a transfer for the engine), and return once their handlers have finished. On Python 3.11
-        ``wait_closed`` returns without waiting for connections, and a handler left pending when its loop
-        closes is torn down half-run. Each is cancelled and its socket aborted as well: 3.11's ``wait_for``
-        can lose a cancellation that meets a completed wait (gh-86296)."""
+        a transfer for the engine), and wait for their handlers, at most ``timeout`` seconds (a hung
+        engine thread must not hold a SIGTERM'd worker until SIGKILL; what is left is logged). On
+        Python 3.11 ``wait_closed`` returns without waiting for connections, and a handler left pending
+        when its loop closes is torn down half-run. Each is cancelled and its socket aborted as well:
+        3.11's ``wait_for`` can lose a cancellation that meets a completed wait (gh-86296). A
+        connection accepted meanwhile is aborted as its handler starts."""
+        self._stopping = True
         if self.server:
             self.server.close()
-        for task, writer in self._handlers.items():
-            task.cancel()
-            writer.transport.abort()
-        await asyncio.gather(*self._handlers, return_exceptions=True)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self._handlers and loop.time() < deadline:
+            for task, writer in list(self._handlers.items()):
+                task.cancel()
+                writer.transport.abort()
+            await asyncio.wait(list(self._handlers), timeout=deadline - loop.time())
+        if self._handlers:
+            log.warning("KV server stopped with %d connection handlers still running", len(self._handlers))
         if self.server:
             await self.server.wait_closed()
 
@@ -122,6 +131,9 @@ class KVTransferServer:
         return proof, parse_json(body), ""
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self._stopping:
+            writer.transport.abort()
+            return
         task = asyncio.current_task()
         self._handlers[task] = writer
         try:
