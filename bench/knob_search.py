@@ -17,13 +17,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import random
 import time
 from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 
 from tandem.operator.autoscaler.capacity import PerfModel
 from tandem.operator.simulate import run as R
 from tandem.operator.simulate import scenarios as S
+from tandem.operator.simulate.tune import DEFAULT_CALIBRATION
 from tandem.worker.api.calibration import Calibration
 
 #: each knob's values: around the shipped default, on the scale a change shows in the scenarios
@@ -33,10 +36,15 @@ SPACE = dict(headroom=[0.7, 0.75, 0.8, 0.85, 0.9], catch_up_s=[120.0, 180.0, 240
              burst_quantile=[0.5, 0.75, 0.9], probe_guard=[0.9, 1.0, 1.1], correction_alpha=[0.1, 0.2, 0.3],
              forecast_window_s=[120.0, 180.0, 240.0])
 
-_BASE: dict = {}     # set before the pool forks: calibration, scenarios, peers' table, frontiers
+# set before the pool forks (the workers inherit it, so the pool must fork): calibration, scenarios,
+# the peers' table, both frontiers
+_BASE: dict = {}
 
 
 def _score(knobs: dict) -> tuple:
+    """(own misses, aims missed, GPU-hours of tandem over the five scenarios, ``knobs``, the own misses as
+    (scenario, aim) pairs) of tandem at ``knobs`` (``Autoscaler`` keyword arguments) against the peers'
+    table and the oracles' frontiers in :data:`_BASE`."""
     b = _BASE
     tab = {n: dict(b["tab"][n]) for n in b["tab"]}
     for n, sc in b["scenarios"].items():
@@ -51,26 +59,28 @@ def _score(knobs: dict) -> tuple:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--calibration", required=True)
+    ap.add_argument("--calibration", required=True, help="a calibration YAML (bench/calibrations/); the peers "
+                    "run with the knobs tuned on it (operator/simulate/tuned*.json)")
     ap.add_argument("--seed", type=int, default=1, help="the scenarios' seed (tuning: 1)")
-    ap.add_argument("--samples", type=int, default=150)
+    ap.add_argument("--samples", type=int, default=150, help="settings drawn besides the defaults")
     ap.add_argument("--rng", type=int, default=0, help="the draw's seed")
-    ap.add_argument("--jobs", type=int, default=2)
-    ap.add_argument("--top", type=int, default=10)
+    ap.add_argument("--jobs", type=int, default=2, help="processes scoring settings")
+    ap.add_argument("--top", type=int, default=10, help="rows printed, best first")
     args = ap.parse_args()
     t0 = time.time()
+    key = None if Path(args.calibration).resolve() == DEFAULT_CALIBRATION.resolve() else args.calibration
     cal = Calibration.load(args.calibration)
     perf = PerfModel.of(cal)
     _BASE.update(cal=cal, perf=perf, scenarios={n: S.build(n, perf, args.seed) for n in S.NAMES},
-                 tab=R.table(perf, cal, R.load_tuned(), seed=args.seed),
+                 tab=R.table(perf, cal, R.load_tuned(key), seed=args.seed),
                  front=R.reactive_frontier(perf, cal, seed=args.seed),
                  held=R.reactive_frontier(perf, cal, seed=args.seed, policy=R.BEHAVED))
     rng = random.Random(args.rng)
     settings = [{}] + [{k: rng.choice(v) for k, v in SPACE.items()} for _ in range(args.samples)]
-    with ProcessPoolExecutor(args.jobs) as ex:
+    with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("fork")) as ex:
         scored = list(ex.map(_score, settings))
     defaults = scored[0]
-    ranked = sorted(scored, key=lambda s: s[:3])
+    ranked = sorted(scored, key=lambda s: s[:3])   # stable: the defaults rank first among ties
     print(f"| rank | own misses | aims missed | GPU-h (5 scenarios) | knobs ({args.samples} samples, seed {args.seed}) |")
     print("|---|---|---|---|---|")
     for i, (own, missed, gpu_h, knobs, _) in enumerate(ranked[:args.top], 1):
