@@ -21,12 +21,11 @@ import multiprocessing
 import random
 import time
 from concurrent.futures import ProcessPoolExecutor
-from pathlib import Path
 
 from tandem.operator.autoscaler.capacity import PerfModel
 from tandem.operator.simulate import run as R
 from tandem.operator.simulate import scenarios as S
-from tandem.operator.simulate.tune import DEFAULT_CALIBRATION
+from tandem.operator.simulate.tune import tuned_key
 from tandem.worker.api.calibration import Calibration
 
 #: each knob's values: around the shipped default, on the scale a change shows in the scenarios
@@ -68,11 +67,10 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=10, help="rows printed, best first")
     args = ap.parse_args()
     t0 = time.time()
-    key = None if Path(args.calibration).resolve() == DEFAULT_CALIBRATION.resolve() else args.calibration
     cal = Calibration.load(args.calibration)
     perf = PerfModel.of(cal)
     _BASE.update(cal=cal, perf=perf, scenarios={n: S.build(n, perf, args.seed) for n in S.NAMES},
-                 tab=R.table(perf, cal, R.load_tuned(key), seed=args.seed),
+                 tab=R.table(perf, cal, R.load_tuned(tuned_key(args.calibration)), seed=args.seed),
                  front=R.reactive_frontier(perf, cal, seed=args.seed),
                  held=R.reactive_frontier(perf, cal, seed=args.seed, policy=R.BEHAVED))
     rng = random.Random(args.rng)

@@ -177,6 +177,13 @@ def urls(fleet: LocalFleet, role: str) -> list[str]:
     return [p.url for p in fleet.procs if p.role == role]
 
 
+def prefix_cache_hits(fleet: LocalFleet) -> float:
+    """Prompt tokens found in the prefix cache, over every worker of the fleet: a request's hit lands on
+    its prefill worker, or on its decode worker when the router skips remote prefill for a prefix the
+    decode worker holds."""
+    return sum(metric(p.url, "tandem:prefix_cache_hits_total") for p in fleet.procs if p.role != "router")
+
+
 def wait_for(cond, timeout: float = 30.0, interval: float = 0.2):
     t_end = time.monotonic() + timeout
     while time.monotonic() < t_end:

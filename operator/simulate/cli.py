@@ -118,7 +118,7 @@ def _simulate(args) -> int:
     from tandem.operator.autoscaler.policy import gpus_per_replica
     from tandem.operator.simulate import run as R
     from tandem.operator.simulate import scenarios as S
-    from tandem.operator.simulate.tune import DEFAULT_CALIBRATION
+    from tandem.operator.simulate.tune import DEFAULT_CALIBRATION, tuned_key
     from tandem.operator.spec import SpecError, load_manifest
     from tandem.worker.api.calibration import Calibration
     from tandem.worker.bench.trace import read_trace, write_trace
@@ -172,7 +172,7 @@ def _simulate(args) -> int:
     # a trace of requests at one instant still spans a second, so that it has a minute of load
     duration = max(1.0, float(header.get("params", {}).get("duration") or records[-1]["timestamp"]))
     steady = S.steady_spans(scenario) if scenario else []
-    same = cal_path.resolve() == DEFAULT_CALIBRATION.resolve()
+    same = tuned_key(cal_path) is None
     block = int(header.get("params", {}).get("block_tokens") or 512)
     for note in _floor_notes(perf, records, targets):
         print(f"note: {note}", file=sys.stderr)

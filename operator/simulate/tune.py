@@ -28,6 +28,12 @@ from tandem.worker.api.calibration import Calibration
 DEFAULT_CALIBRATION = Path(__file__).resolve().parents[2] / "bench/calibrations/smollm2-cpu-scenarios.yaml"
 
 
+def tuned_key(cal_path):
+    """The calibration argument of :func:`run.tuned_file` / :func:`run.load_tuned` for a calibration file:
+    None for the scenarios' own (:data:`DEFAULT_CALIBRATION`, whose knobs are run.TUNED_FILE), else the path."""
+    return None if Path(cal_path).resolve() == DEFAULT_CALIBRATION.resolve() else cal_path
+
+
 def _tune_one(args) -> tuple[str, dict]:
     cal_path, name, policies = args
     cal = Calibration.load(cal_path)
@@ -147,7 +153,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if not Path(args.calibration).is_file():
         ap.error(f"--calibration {args.calibration}: no such file")
-    key = None if Path(args.calibration).resolve() == DEFAULT_CALIBRATION.resolve() else args.calibration
+    key = tuned_key(args.calibration)
     tuned_path = R.tuned_file(key)
     if args.table_only and not tuned_path.is_file():
         print(f"note: no baseline was tuned on {args.calibration} ({tuned_path.name} is missing): the table "

@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from fleet_utils import MODEL, metric, start_fleet
+from fleet_utils import MODEL, prefix_cache_hits, start_fleet
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -18,14 +18,6 @@ def fleet():
     f = start_fleet(name="bench")
     yield f
     f.stop(grace=10)
-
-
-def workers(fleet):
-    return [p.url for p in fleet.procs if p.role != "router"]
-
-
-def prefix_hits(fleet) -> float:
-    return sum(metric(u, "tandem:prefix_cache_hits_total") for u in workers(fleet))
 
 
 def bench(fleet, out, *args):
@@ -73,18 +65,18 @@ def test_random_and_sharegpt_runs(fleet, tmp_path):
 
 
 def test_prefix_sharing_raises_prefix_cache_hits(fleet, tmp_path):
-    before = prefix_hits(fleet)
+    before = prefix_cache_hits(fleet)
     s, reqs = bench(fleet, tmp_path / "prefix", "--dataset", "prefix", "--num-prefixes", "2", "--prefix-len", "96",
                     "--questions-per-prefix", "3", "--input-len", "8", "--output-len", "4", "--concurrency", "1")
     assert s["completed"] == 6
     # each later question of a group finds at least the group's full 16-token blocks of the prompt cached.
     # One at a time: a question sent while its group's first prefill is still running cannot hit (blocks
     # enter the prefix cache once computed, as in vLLM), and at an open-loop rate that happened on a busy CI.
-    assert prefix_hits(fleet) - before >= 2 * 2 * 80
+    assert prefix_cache_hits(fleet) - before >= 2 * 2 * 80
 
 
 def test_multiturn_sessions_resend_the_conversation(fleet, tmp_path):
-    before = prefix_hits(fleet)
+    before = prefix_cache_hits(fleet)
     s, reqs = bench(fleet, tmp_path / "multi", "--dataset", "multiturn", "--sessions", "2", "--turns", "3",
                     "--input-len", "24", "--output-len", "5", "--think-time", "0.2", "--request-rate", "2")
     assert s["completed"] == 6
@@ -97,7 +89,7 @@ def test_multiturn_sessions_resend_the_conversation(fleet, tmp_path):
         for t in (1, 2):
             assert by[(sess, t)]["send"] >= by[(sess, t - 1)]["end"]
     # each turn re-reads the previous turns from the prefix cache
-    assert prefix_hits(fleet) - before >= 2 * 2 * 32
+    assert prefix_cache_hits(fleet) - before >= 2 * 2 * 32
 
 
 def test_trace_replay(fleet, tmp_path):

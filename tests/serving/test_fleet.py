@@ -7,7 +7,7 @@ import signal
 import pytest
 import requests
 
-from fleet_utils import MODEL, chat, metric, read_stream, start_worker, urls, wait_for
+from fleet_utils import MODEL, chat, metric, prefix_cache_hits, read_stream, start_worker, urls, wait_for
 
 pytestmark = pytest.mark.timeout(900)
 QUESTION = "What is the capital of France?"
@@ -84,11 +84,7 @@ SYSTEM = ("You are a meticulous assistant for a travel company. Answer briefly, 
 
 
 def test_shared_prefix_concurrent_requests(fleet):
-    workers = urls(fleet, "prefill") + urls(fleet, "decode")
-
-    def hits():
-        return sum(metric(u, "tandem:prefix_cache_hits_total") for u in workers)
-    before = hits()
+    before = prefix_cache_hits(fleet)
     questions = [f"Question {i}: describe in detail the history, climate, food, people and sights of the "
                  f"city number {i} in a list of the {i * 7 % 50 + 50} largest cities of Europe." for i in range(16)]
     # the first alone: blocks enter the prefix cache once computed, and sixteen sent at once could all
@@ -99,7 +95,7 @@ def test_shared_prefix_concurrent_requests(fleet):
         results += ex.map(lambda q: chat(fleet.endpoint, q, system=SYSTEM, max_tokens=8), questions[1:])
     assert len(results) == 16 and all(isinstance(t, str) and b["usage"]["completion_tokens"] > 0
                                       for t, b in results)
-    assert hits() - before >= 15 * 16      # at least one full 16-token block of the system prompt each
+    assert prefix_cache_hits(fleet) - before >= 15 * 16   # a full 16-token block of the system prompt each
 
 
 def test_no_kv_leaks_after_load(fleet):
