@@ -556,6 +556,11 @@ class Autoscaler:
         split of binary segmentation; 0 turns it off). A line through a step keeps rising for a whole
         window after the step, and the forecast it gives held replicas that the scale-down window then
         kept.
+
+        Nor is a line read further ahead than the span of samples it was fitted over (an autoscaler's
+        first start-up time after it starts or restarts, while the window fills): on the CPU step at
+        seed 1, four samples over 45 s of steady load read as a rise and started a prefill and a decode
+        replica that the scale-down window then held for five minutes.
         """
         n = len(hist)
         if n < 4:
@@ -573,6 +578,8 @@ class Autoscaler:
         se = math.sqrt(resid / var) if resid > 0 else 0.0
         if slope <= 0 or (se > 0 and slope / se < 2):
             return level, level
+        if ts[-1] - ts[0] < when - ts[-1]:
+            return level, level   # not read further ahead than the span it was fitted over
         if step_fit > 0 and step_fit * Autoscaler._two_levels_sse(vs) <= sse_line:
             return level, level
         return level, min(1.25 * max(level, 1e-9), level + slope * (when - ts[-1]))

@@ -208,6 +208,20 @@ def test_a_level_shift_is_not_extrapolated_as_a_trend():
     assert ramp["forecast"] > 1.2 * ramp["level"]
 
 
+def test_a_trend_is_not_read_further_ahead_than_its_window_spans():
+    """An autoscaler that has just started holds a few samples: a line through four of them (45 s) is not
+    read a start-up (120 s) ahead, however steep; once the samples span the start-up, the same ramp leads."""
+    def last(n):
+        a = Autoscaler(spec(), CAL)
+        for i in range(n):
+            d = steady(a, 15 * i, 0.1 + 0.05 * i, 3, 3, pre_lat=TTFT * 0.5, dec_lat=TPOT * 0.8)
+        return d.prefill.inputs
+    early = last(4)
+    assert early["forecast"] == early["level"]
+    later = last(9)   # 120 s of samples
+    assert later["forecast"] > 1.2 * later["level"]
+
+
 def test_absorb_bursts_when_prefill_breaks():
     """Prefill is breaking its target and decode has TPOT slack over its outputs for the stall a local
     prefill causes: absorb. With the same slack per token over 4-token outputs the stall does not fit
