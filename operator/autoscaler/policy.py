@@ -11,7 +11,8 @@ The algorithm (docs/autoscaler.md says what comes from whom):
    output tokens per second. Capacity per replica at the SLO comes from the calibration
    (:mod:`.capacity`), its latency multiplied by a correction learned online (observed / predicted).
    Demand is forecast one start-up time ahead (a linear trend over the last few minutes, never below
-   the present; not extrapolated where a level shift fits the window clearly better than the line), and work
+   the present; not extrapolated where a level shift fits the window clearly better than the line,
+   nor further ahead than the window's samples span), and work
    queued in the workers is added as backlog to clear within a start-up time.
    Prefill keeps room for the rises within one start-up time it has seen over the last half hour (a
    quantile of them, ``burst_quantile``): bursts that recur cannot be chased, only provisioned for.
