@@ -390,6 +390,26 @@ def test_a_fresh_policy_keeps_what_it_started_until_it_has_seen_a_down_window():
     assert seasoned.prefill.desired < up, seasoned.prefill     # cancelled
 
 
+def test_a_queue_that_predicts_a_ttft_over_the_band_is_not_calm():
+    """Prefill's p90 is of first tokens already out; the prompts waiting at the workers say what the next
+    ones get. A rise whose window p90 still reads calm but whose queue predicts a TTFT above the band is
+    not confirmed first: it scales up at once. A short queue is still confirmed (issue 25, prompt-shift:
+    the prompts grew 4x, and the queue built for 30 s before the p90 showed it)."""
+    calm_pre, calm_dec = 0.4 * TTFT, 0.7 * TPOT
+
+    def rise(waiting):
+        a = Autoscaler(spec(), CAL)
+        for t in range(0, 1830, 15):
+            steady(a, t, 0.3, 2, 2, pre_lat=calm_pre, dec_lat=calm_dec)
+        return a.decide(snap(1830, role("prefill", 2, arrivals=1.2, latency=calm_pre, waiting=waiting),
+                             role("decode", 2, arrivals=1.2, latency=calm_dec))).prefill
+    service = PerfModel.of(CAL).remote_prefill_seconds(380)
+    short, long_ = rise(1), rise(12)
+    assert service * (1 + 1 / 2) < 0.9 * TTFT < service * (1 + 12 / 2)   # the two sides of the band
+    assert short.desired == 2 and short.limited_by == "confirmation", short
+    assert long_.desired > 2 and long_.limited_by != "confirmation", long_
+
+
 def test_confirmation_and_cancelling_off_restore_the_earlier_behavior():
     """With ``confirm_s=0`` and ``cancel_starting=False`` a calm burst starts replicas at once (the
     behavior the table of issue 25 measured before)."""
