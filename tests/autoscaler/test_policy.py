@@ -2,6 +2,7 @@
 
 Each test drives ``Autoscaler.decide`` with a sequence of snapshots on a made-up clock, as the simulator
 and the operator do."""
+import copy
 import subprocess
 import sys
 from pathlib import Path
@@ -356,8 +357,15 @@ def test_a_burst_under_the_slo_is_confirmed_before_scaling_and_its_unneeded_star
                              role("decode", dec, arrivals=0.3, latency=calm_dec)))
     early = back_at(w + 120)            # 15 s after the last scale-up (w + 105)
     assert early.prefill.desired == up, early.prefill
+    queued = copy.deepcopy(a)
     back = back_at(w + 135)
     assert back.prefill.desired == max(2, back.prefill.recommended) < up, back.prefill
+    # the same tick with a queue at the workers that predicts a TTFT above the band: not calm, so the
+    # starting replicas stay (the p90, of first tokens already out, still reads calm)
+    kept = queued.decide(snap(w + 135, role("prefill", 2, starting=up - 2, arrivals=0.3, latency=calm_pre,
+                                            waiting=12),
+                              role("decode", dec, arrivals=0.3, latency=calm_dec)))
+    assert kept.prefill.recommended < up and kept.prefill.desired == up, kept.prefill
     # latency above the band scales up at once, with no confirmation
     b = Autoscaler(spec(), CAL)
     for t in range(0, w, 15):

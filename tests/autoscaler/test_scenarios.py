@@ -28,8 +28,9 @@ PERF = PerfModel.of(CAL)
 #: every setting of its grid) and the figures (bench/RESULTS.md, "Thirteenth session: room for the
 #: rises seen", "Fourteenth session: the decode hold's share", "Sixteenth session: decode room once its
 #: TPOT broke in two rises, and the catch-up at the learned capacity", and "Seventeenth session: the
-#: capacity probe's guard"; the verdicts as of "Twenty-first session", the figures of "Twenty-third session"). Regenerated from
-#: `python -m tandem.operator.simulate.tune --table-only --markdown FILE` whenever the policy, a baseline or the simulator changes.
+#: capacity probe's guard"; the verdicts as of "Twenty-first session", the figures of "A queue is not
+#: calm (twenty-third session)"). Regenerated from `python -m tandem.operator.simulate.tune --table-only
+#: --markdown FILE` whenever the policy, a baseline or the simulator changes.
 KNOWN_MISSES: dict = {
     ('step', 'GPU-hours <= 1.1x reactive oracle'):
         "tandem's own: a setting of the reactive oracle meets it and both core aims; 17.31 vs 15.65 (x1.11; the reactive oracle held to the behavior at utilization 1.5, attainment 95.0%); the oracle with foresight 15.37",
