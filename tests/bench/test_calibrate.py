@@ -32,7 +32,8 @@ def worker():
 
 def calibrate_and_verify(worker, tmp_path):
     """Fit a small calibration, check its shape, then measure a fresh run at unfitted sizes: the
-    verify rows, and a report of them and of the fit."""
+    verify rows, a report of them and of the fit, and what the fit's shape missed (a list of lines; a
+    neighbour's burst during the fit can bend it, so these are measured again like the rows' misses)."""
     cal = asyncio.run(calibrate(worker, MODEL, prefill_sizes=(32, 128, 256, 512), cached=(256,),
                                 cached_sizes=(32, 128), batches=(1, 2, 4, 8), contexts=(32, 160), decode_tokens=10,
                                 repeats=3))
@@ -41,16 +42,23 @@ def calibrate_and_verify(worker, tmp_path):
     cal.save(path)
     back = Calibration.load(path)
     assert back.prefill_seconds(300, 0) == pytest.approx(cal.prefill_seconds(300, 0))
-    # prefill grows with the prompt, and a cached prefix makes it cheaper than computing it all
-    assert cal.prefill_seconds(512) > 2 * cal.prefill_seconds(64)
-    assert cal.prefill_seconds(256 + 128, 256) < cal.prefill_seconds(256 + 128, 0)
-    assert cal.decode_step_seconds(8, 200) > cal.decode_step_seconds(1, 200)
+    # prefill grows with the prompt, a cached prefix makes it cheaper than computing it all, and a
+    # bigger decode batch costs more per step
+    shape = [(cal.prefill_seconds(512) > 2 * cal.prefill_seconds(64),
+              f"fit: prefill of 512 tokens {cal.prefill_seconds(512):.3f} s, not over 2x 64 tokens' "
+              f"{cal.prefill_seconds(64):.3f} s"),
+             (cal.prefill_seconds(256 + 128, 256) < cal.prefill_seconds(256 + 128, 0),
+              f"fit: 384 tokens with 256 cached {cal.prefill_seconds(256 + 128, 256):.3f} s, not under "
+              f"{cal.prefill_seconds(256 + 128, 0):.3f} s uncached"),
+             (cal.decode_step_seconds(8, 200) > cal.decode_step_seconds(1, 200),
+              f"fit: a batch-8 decode step {cal.decode_step_seconds(8, 200):.4f} s, not over batch 1's "
+              f"{cal.decode_step_seconds(1, 200):.4f} s")]
     rows = asyncio.run(verify(back, worker, MODEL, prefill_points=[(96, 0), (384, 0), (64, 256)],
                               decode_points=[(3, 96), (6, 64)], decode_tokens=10, repeats=3))
     report = "\n".join(f"{r['what']} {r['inputs']}: measured {r['measured'] * 1000:.1f} ms, predicted "
                        f"{r['predicted'] * 1000:.1f} ms ({r['rel_err']:+.1%})" for r in rows)
     fitted = "\n".join(f"{k}: {f.quality()} samples {f.samples}" for k, f in cal.fits.items())
-    return rows, report + "\n" + fitted
+    return rows, report + "\n" + fitted, [why for ok, why in shape if not ok]
 
 
 def misses(rows: list[dict]) -> list[str]:
@@ -79,11 +87,12 @@ def test_calibration_predicts_a_fresh_run(worker, tmp_path):
     is measured again from scratch, up to three attempts in all, each printed: a neighbour's minute-long
     burst can slow a whole attempt, fit or check (a clean-clone run, seventeenth session: a batch-6
     step 2.5x its prediction, then a fit whose 512-token prefill took 2.06 s against 1.19 s a minute
-    before); a wrong model misses every attempt."""
+    before; one beside two simulator processes, twenty-third session: a fit in which 384 tokens with 256
+    cached cost 0.886 s against 0.642 s uncached); a wrong model misses every attempt."""
     reports = []
     for attempt in range(3):
-        rows, report = calibrate_and_verify(worker, tmp_path)
-        missed = misses(rows)
+        rows, report, bent = calibrate_and_verify(worker, tmp_path)
+        missed = bent + misses(rows)
         reports.append(f"attempt {attempt + 1}:\n{report}\n" + "\n".join(missed))
         print(reports[-1])
         if not missed:
