@@ -161,7 +161,10 @@ class Autoscaler:
             running sequences alone, as it did until issue 25 (the simulator then picked the decode
             replica when the prefill ended).
         hold_service_share, hold_ttft_share: the hold is this share of the calibrated prefill service,
-            or that share of the observed p90 TTFT when a queue makes that longer (both 0..1). A held place is not a running sequence: it moves the router's balance, and the next
+            or that share of the observed p90 TTFT when a queue makes that longer (both 0..1); the p90,
+            of the last window, counts at most the TTFT prefill's queue predicts now (:meth:`_queued_ttft`;
+            docs/autoscaler.md, "The hold after a backlog"). A held place is not a running sequence: it
+            moves the router's balance, and the next
             arrivals go to the pool's other replicas, so counting the whole time to first token oversized
             decode (issue 10's diurnal scenario, seed 0: 2.5 decode replicas above the reactive oracle,
             GPU-hours x1.15 of it). 0.4 and 0.25 (were 1.0 and 0.5) are the cheapest pair of a grid on
@@ -465,10 +468,16 @@ class Autoscaler:
         most = lim.max * 4
         # a request holds its decode replica's place from arrival (the router's pick) to its first
         # token: the prefill's service, or the TTFT observed when a queue makes it longer, each counted
-        # at a share (a held place shifts the balance to the other replicas; it does not fill a slot)
-        first = self.hold_service_share * self.perf.remote_prefill_seconds(max(prompt, 1.0))
+        # at a share (a held place shifts the balance to the other replicas; it does not fill a slot).
+        # The observed p90 is of the last window; the queue now bounds it (:meth:`_queued_ttft`): after
+        # a backlog had drained, the window's p90 still read its long waits (prompt-shift at seed 1:
+        # 86-96 s with 0-5 prompts waiting), and decode's recommendation stayed at 63-64 for a pool of
+        # 16, which the scale-down window then held
+        service = self.perf.remote_prefill_seconds(max(prompt, 1.0))
+        first = self.hold_service_share * service
         if pre.latency is not None and not math.isnan(pre.latency):
-            first = max(first, self.hold_ttft_share * pre.latency)
+            now = self._queued_ttft("prefill", pre, {"service_s": service}) or service
+            first = max(first, self.hold_ttft_share * min(pre.latency, now))
         hold = first / max(output, 1.0) if self.hold_first_token else 0.0
 
         def need_d(x):

@@ -456,9 +456,11 @@ def test_decode_counts_a_held_place_at_a_share_of_its_time_to_first_token():
     one, strictly below the old (so the check fails on the old shares)."""
     queued = 2 * TTFT   # a prefill queue: p90 TTFT well past the calibrated service of 380 tokens
 
-    def decode_of(pre_lat, **kw):
+    def decode_of(pre_lat, waiting=40, **kw):
+        # 40 prompts waiting on 4 prefill replicas: the queue predicts more than the p90, which counts
         a = Autoscaler(spec(), CAL, **kw)
-        return steady(a, 0, 2.0, 4, 4, pre_lat=pre_lat, dec_lat=0.8 * TPOT).decode
+        return a.decide(snap(0, role("prefill", 4, arrivals=2.0, latency=pre_lat, waiting=waiting),
+                             role("decode", 4, arrivals=2.0, latency=0.8 * TPOT))).decode
 
     service = PerfModel.of(CAL).remote_prefill_seconds(380)
     for pre_lat in (0.5 * service, queued):
@@ -468,6 +470,24 @@ def test_decode_counts_a_held_place_at_a_share_of_its_time_to_first_token():
     new, old = decode_of(queued).inputs["need"], decode_of(queued, hold_service_share=1.0, hold_ttft_share=0.5).inputs["need"]
     none = decode_of(queued, hold_first_token=False).inputs["need"]
     assert none <= new < old, (none, new, old)
+
+
+def test_a_drained_backlog_holds_no_decode_places_for_its_past_waits():
+    """The p90 TTFT is of the last window; once prefill's queue has drained it still reads the backlog's
+    long waits. The decode hold counts at most what the queue predicts now (Autoscaler._queued_ttft):
+    with nothing waiting, the calibrated service share; with a queue, the p90 (twenty-third session:
+    prompt-shift's drained backlog kept decode's recommendation at 63-64 for a pool of 16)."""
+    service = PerfModel.of(CAL).remote_prefill_seconds(380)
+    p90 = 10 * service
+
+    def decode_of(waiting):
+        a = Autoscaler(spec(), CAL)
+        return a.decide(snap(0, role("prefill", 4, arrivals=2.0, latency=p90, waiting=waiting),
+                             role("decode", 4, arrivals=2.0, latency=0.8 * TPOT))).decode
+    drained, backlog = decode_of(0), decode_of(60)
+    assert drained.inputs["hold_s_per_token"] == pytest.approx(0.4 * service / 16, abs=1e-4), drained.inputs
+    assert backlog.inputs["hold_s_per_token"] == pytest.approx(0.25 * p90 / 16, abs=1e-4), backlog.inputs
+    assert drained.inputs["need"] < backlog.inputs["need"], (drained.inputs, backlog.inputs)
 
 
 def replay_ticks(loads, dec_lat=lambda t, x: 0.7 * TPOT, **kw) -> list:
