@@ -130,9 +130,8 @@ class Autoscaler:
         startup_s: how far ahead to forecast demand: a replica's start-up time (seconds).
         forecast_window_s: the span the linear trend is fitted over (seconds); a trend is extrapolated only
             from samples spanning ``startup_s`` or more, so a window shorter than that never leads. 240
-            (was 180): on the Azure
-            code trace x10 (H200 calibration) the first half, which is tuned on, costs 15% fewer
-            GPU-hours at the same attainment and the second half 6% fewer; on the measured H200
+            (was 180): on the Azure code trace x10 (H200 calibration) the first half, which is tuned on,
+            costs 15% fewer GPU-hours at the same attainment and the second half 6% fewer; on the measured H200
             calibration the first half's TTFT attainment rises from 88.9% to 92.6% at 8.4% fewer. Each
             scenario suite's total at seed 1 stays within 0.4%; the CPU one misses one more aim there
             (bursts against hpa-queue, neither dominating) (bench/RESULTS.md, twenty-second session).
@@ -142,14 +141,14 @@ class Autoscaler:
         catch_up_s: prefill sizes to drain its backlog within this many seconds of new replicas being
             ready (see ``_catch_up``).
         confirm_s: while the role's latency is below the tolerance band (for prefill, also the TTFT its
-            queue predicts: :meth:`_queued_ttft`), a scale-up waits until the
-            demand has called for it for this many seconds (the lowest recommendation of that span is
+            queue predicts: :meth:`_queued_ttft`), a scale-up waits until the demand has called for it
+            for this many seconds (the lowest recommendation of that span is
             applied): a burst shorter than the start-up is over before new replicas are ready, and
             replicas started for it are then held by the scale-down window. Latency above the band
             scales up at once. 0 turns it off.
         cancel_starting: while prefill's latency (and its queue's TTFT) is below the band, replicas still
-            starting that the recommendation no longer needs are cancelled at once (a ReplicaSet removes not-ready pods
-            first), outside the scale-down window and step: they serve nothing yet. Not within one
+            starting that the recommendation no longer needs are cancelled at once (a ReplicaSet removes
+            not-ready pods first), outside the scale-down window and step: they serve nothing yet. Not within one
             metrics window of the last scale-up: that window overlaps the one that called for it
             (cancelling on it was most of step's prefill flapping). Prefill only: a
             decode replica's TPOT sits at 0.67x its target with one sequence, so decode latency below the
@@ -164,8 +163,8 @@ class Autoscaler:
             or that share of the observed p90 TTFT when a queue makes that longer (both 0..1); the p90,
             of the last window, counts at most the TTFT prefill's queue predicts now (:meth:`_queued_ttft`;
             docs/autoscaler.md, "The hold after a backlog"). A held place is not a running sequence: it
-            moves the router's balance, and the next
-            arrivals go to the pool's other replicas, so counting the whole time to first token oversized
+            moves the router's balance, and the next arrivals go to the pool's other replicas, so
+            counting the whole time to first token oversized
             decode (issue 10's diurnal scenario, seed 0: 2.5 decode replicas above the reactive oracle,
             GPU-hours x1.15 of it). 0.4 and 0.25 (were 1.0 and 0.5) are the cheapest pair of a grid on
             seed 1 that keeps every attainment the old pair met: -8.7% GPU-hours on seed 1, -7.9% on
@@ -572,9 +571,9 @@ class Autoscaler:
 
         Nor is a line read further ahead than the span of samples it was fitted over (while the window
         fills: an autoscaler's first start-up time after it starts or restarts, or after a gap in the
-        samples longer than the window): on the CPU step at
-        seed 1, four samples over 45 s of steady load read as a rise and started a prefill and a decode
-        replica that the scale-down window then held for five minutes.
+        samples longer than the window): on the CPU step at seed 1, four samples over 45 s of steady
+        load read as a rise and started a prefill and a decode replica that the scale-down window then
+        held for five minutes.
         """
         n = len(hist)
         if n < 4:
