@@ -305,7 +305,8 @@ class Autoscaler:
                           lim.down_period) + 1
             while st.recs and st.recs[0][0] < at - horizon:
                 st.recs.popleft()
-            desired, limited = self._behave(r, cur, s.rec, at, rs, wake, self._queued_ttft(r, rs, s.inputs))
+            queued = self._queued_ttft(rs, s.inputs.get("service_s")) if r == "prefill" else None
+            desired, limited = self._behave(r, cur, s.rec, at, rs, wake, queued)
             decisions[r] = RoleDecision(r, cur, desired, s.rec, rs.signal, s.reason, limited, s.inputs)
 
         priority = self._pool_bounds(decisions, snapshot)
@@ -475,7 +476,7 @@ class Autoscaler:
         service = self.perf.remote_prefill_seconds(max(prompt, 1.0))
         first = self.hold_service_share * service
         if pre.latency is not None and not math.isnan(pre.latency):
-            now = self._queued_ttft("prefill", pre, {"service_s": service}) or service
+            now = self._queued_ttft(pre, service) or service
             first = max(first, self.hold_ttft_share * min(pre.latency, now))
         hold = first / max(output, 1.0) if self.hold_first_token else 0.0
 
@@ -610,19 +611,19 @@ class Autoscaler:
         return best
 
     # ------------------------------------------------------------------------------------------
-    def _queued_ttft(self, role: str, rs: RoleSnapshot, inputs: dict) -> Optional[float]:
-        """The TTFT (s) that prefill's queue at the workers gives the next prompt: its own service plus
-        the waiting prompts' service shared over the ready replicas. The queue drains at the learned
+    def _queued_ttft(self, pre: RoleSnapshot, service_s: Optional[float]) -> Optional[float]:
+        """The TTFT (s) that prefill's queue at the workers (``pre``) gives the next prompt of
+        ``service_s`` seconds: its own service plus the waiting prompts' service shared over the ready
+        replicas. The queue drains at the learned
         capacity factor (as :meth:`_catch_up` counts it: batching moves more prompts per second), the
         next prompt's own service does not shrink. ``math.inf`` with prompts waiting and no replica
-        ready; None for decode, with nothing queued, or without a calibrated service time (no
-        calibration: the rule is then off)."""
-        s = inputs.get("service_s")
-        if role != "prefill" or not s or rs.waiting <= 0:
+        ready; None with nothing queued, or without a calibrated service time (no calibration: the rule
+        is then off)."""
+        if not service_s or pre.waiting <= 0:
             return None
-        if rs.ready <= 0:
+        if pre.ready <= 0:
             return math.inf
-        return s * (1 + rs.waiting / (rs.ready * self.state[role].correction))
+        return service_s * (1 + pre.waiting / (pre.ready * self.state["prefill"].correction))
 
     def _behave(self, role: str, cur: int, rec: int, at: float, rs: RoleSnapshot, wake: bool,
                 queued_ttft: Optional[float] = None) -> tuple[int, Optional[str]]:
