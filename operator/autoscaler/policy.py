@@ -110,6 +110,7 @@ class _RoleState:
     seen: deque = field(default_factory=deque)        # (at, demand, level) awaiting one start-up of what came next
     rises: deque = field(default_factory=deque)       # (at, the peak over the next start-up / the level then)
     breaches: deque = field(default_factory=deque)    # [first, last] breach of each episode over the target
+    readies: deque = field(default_factory=deque)     # (at, ready replicas) over the last metrics window
 
 
 @dataclass
@@ -384,9 +385,13 @@ class Autoscaler:
             return _Sized(rec, f"no latency yet; demand {demand:.3g} needs {rec}", inputs)
         ratio = lat / target
         inputs.update(observed=round(lat, 4), ratio=round(ratio, 3))
+        served = self._served(st, snap.at, rs)
+        if served < rs.ready:
+            inputs["served"] = round(served, 2)
         if ratio > 1 + lim.tolerance:
-            # HPA's proportional rule on the ready replicas; starting ones are the capacity on the way
-            prop = math.ceil(max(rs.ready, 1) * min(ratio, 2.0) - 1e-9)
+            # HPA's proportional rule on the replicas that served the window; starting ones are the
+            # capacity on the way
+            prop = math.ceil(max(served, 1) * min(ratio, 2.0) - 1e-9)
             rec = max(cur, prop, urgent or 0)
             if rec == cur and rs.starting == 0 and rs.waiting > 0:
                 rec = cur + 1
@@ -399,6 +404,21 @@ class Autoscaler:
         rec = need if need is not None else max(1, math.ceil(rs.ready * ratio / (1 - lim.tolerance / 2)))
         return _Sized(rec, f"{self._metric(role)} {lat:.3g}s below target {target:.3g}s; demand "
                            f"{forecast:.3g} (forecast) needs {rec}", inputs)
+
+    @staticmethod
+    def _served(st: _RoleState, at: float, rs: RoleSnapshot) -> float:
+        """The replicas that served the metrics window (``rs.window_s``): the mean of the ready counts this
+        policy saw over it, never more than the ready count now. A replica that became ready within the
+        window has not yet shown in the window's latency; scaled by that latency, it counts a breach it
+        did not cause (after Kubernetes' HPA, which uses a pod's sample only if it was taken wholly while
+        the pod was ready: ``--horizontal-pod-autoscaler-cpu-initialization-period``). On the CPU step
+        (seed 1) prefill's ready count went 3, 5, 7, 9 over 1,320-1,365 s while the window's p90 TTFT
+        still read the three's queue (x2.56, then x1.79), and the rule asked for 14, then 17, of a
+        pool whose load needed 10: replicas started to be cancelled a minute later, at start-up cost."""
+        st.readies.append((at, rs.ready))
+        while st.readies and st.readies[0][0] < at - max(rs.window_s, 1.0):
+            st.readies.popleft()
+        return min(float(rs.ready), sum(r for _, r in st.readies) / len(st.readies))
 
     def _breach_episodes(self, st: _RoleState, at: float, lat, lim) -> int:
         """How many episodes of latency above the target ended within ``decode_room_memory_s`` (one episode:

@@ -418,6 +418,28 @@ def test_a_queue_that_predicts_a_ttft_over_the_band_is_not_calm():
     assert long_.desired > 2 and long_.limited_by != "confirmation", long_
 
 
+def test_the_proportional_rule_scales_the_replicas_that_served_the_window():
+    """HPA's rule multiplies a count by the window's latency ratio; the count is the replicas that
+    produced that latency. Replicas that became ready within the window have not shown in it yet: with
+    2 ready for a window and 6 ready now (4 just came up), a p90 TTFT at 2x the target asks for about
+    2 x 2 more, not 6 x 2 (issue 25, the CPU step at seed 1: 14 then 17 asked of a pool that needed 10).
+    A count that held through the window is scaled as before."""
+    over = 2 * TTFT
+
+    def breach(ready_before, ready_now):
+        a = Autoscaler(spec(pre={"maxReplicas": 20}), CAL)
+        for t in (0, 15):
+            a.decide(snap(t, role("prefill", ready_before, starting=ready_now - ready_before, arrivals=0.1,
+                                  latency=over), role("decode", 2, arrivals=0.1)))
+        return a.decide(snap(30, role("prefill", ready_now, arrivals=0.1, latency=over),
+                             role("decode", 2, arrivals=0.1))).prefill
+    fresh, held = breach(2, 6), breach(6, 6)
+    # the recommendation (the spec's maxStep of 4 then limits what is applied)
+    assert held.recommended == 12, held                   # 6 x 2: the count served the whole window
+    assert fresh.recommended == 7, fresh                  # ceil(10/3 x 2), where 6 x 2 would be 12
+    assert fresh.inputs["served"] == pytest.approx(10 / 3, abs=0.01), fresh.inputs
+
+
 def test_confirmation_and_cancelling_off_restore_the_earlier_behavior():
     """With ``confirm_s=0`` and ``cancel_starting=False`` a calm burst starts replicas at once (the
     behavior the table of issue 25 measured before)."""
