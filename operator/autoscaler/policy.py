@@ -37,9 +37,9 @@ The algorithm (docs/autoscaler.md says what comes from whom):
 from __future__ import annotations
 
 import math
-from statistics import NormalDist
 from collections import deque
 from dataclasses import dataclass, field
+from statistics import NormalDist
 from typing import Optional
 
 from tandem.operator.autoscaler.behavior import stabilized, step_room
