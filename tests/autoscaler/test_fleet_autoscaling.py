@@ -21,6 +21,7 @@ import requests
 from fleet_utils import MODEL, ROOT, TPOT_TARGET_FACTOR, chat, metric, single_tpot, start_fleet, wait_for
 from prometheus_utils import Prometheus
 from tandem.operator.autoscaler.actuate import load_of
+from tandem.operator.autoscaler.capacity import PerfModel
 from tandem.operator.autoscaler.fleet_loop import FleetAutoscaler
 from tandem.operator.autoscaler.policy import Autoscaler
 from tandem.operator.autoscaler.prometheus_source import PrometheusSource
@@ -107,11 +108,16 @@ def test_decode_scales_up_under_load_then_drains_a_busy_worker(tmp_path):
         # lucky measurement would read a trickle as a breach, one set on a measurement slowed by a
         # neighbour's burst would hide the heavy run's breach (beside a chaos soak the three ranged
         # from 83 to 201 ms in one run); three that disagree by over 1.3x are measured again, up to
-        # three times (a clean-clone run got [107, 205, 206]: a target of 2.5x 205 ms hid the breach)
-        for _ in range(3):
+        # three times (a clean-clone run got [107, 205, 206]: a target of 2.5x 205 ms hid the breach).
+        # Three that agree but all read over twice the calibration's batch-1 step are a neighbour's too
+        # (run 48: [156, 168, 188] ms, 49-52 ms alone; the heavy run's p90 stays near 0.38 s either way,
+        # short of 1.1x a 420 ms target), so they are measured again after a pause, up to six rounds
+        quiet = 2 * PerfModel.of(Calibration.load(CALIBRATION)).decode_step_seconds(1, 16)
+        for _ in range(6):
             singles = sorted(single_tpot(fleet.endpoint) for _ in range(3))
-            if singles[-1] <= 1.3 * singles[0]:
+            if singles[-1] <= 1.3 * singles[0] and singles[1] <= quiet:
                 break
+            time.sleep(5)
         single = singles[1]
         target = TPOT_TARGET_FACTOR * single
         fleet.pool.spec.decode.autoscaling.target.seconds = target
