@@ -107,11 +107,11 @@ def test_decode_scales_up_under_load_then_drains_a_busy_worker(tmp_path):
         # the single request's TPOT, the median of three: this machine is shared, and a target set on a
         # lucky measurement would read a trickle as a breach, one set on a measurement slowed by a
         # neighbour's burst would hide the heavy run's breach (beside a chaos soak the three ranged
-        # from 83 to 201 ms in one run); three that disagree by over 1.3x are measured again, up to
-        # three times (a clean-clone run got [107, 205, 206]: a target of 2.5x 205 ms hid the breach).
-        # Three that agree but all read over twice the calibration's batch-1 step are a neighbour's too
-        # (run 48: [156, 168, 188] ms, 49-52 ms alone; the heavy run's p90 stays near 0.38 s either way,
-        # short of 1.1x a 420 ms target), so they are measured again after a pause, up to six rounds
+        # from 83 to 201 ms in one run); three that disagree by over 1.3x are measured again (a
+        # clean-clone run got [107, 205, 206]: a target of 2.5x 205 ms hid the breach). Three that agree
+        # but read over twice the calibration's batch-1 step are a neighbour's too (run 48: [156, 168,
+        # 188] ms, 49-52 ms alone; the heavy run's p90 stays near 0.38 s either way, short of 1.1x a
+        # 420 ms target). Either is measured again after a pause, up to six rounds in all
         quiet = 2 * PerfModel.of(Calibration.load(CALIBRATION)).decode_step_seconds(1, 16)
         for _ in range(6):
             singles = sorted(single_tpot(fleet.endpoint) for _ in range(3))
