@@ -112,7 +112,8 @@ def test_decode_scales_up_under_load_then_drains_a_busy_worker(tmp_path):
         # but read over twice the calibration's batch-1 step are a neighbour's too (run 48: [156, 168,
         # 188] ms, 49-52 ms alone; the heavy run's p90 stays near 0.38 s either way, short of 1.1x a
         # 420 ms target). Either is measured again after a pause, up to six rounds in all
-        quiet = 2 * PerfModel.of(Calibration.load(CALIBRATION)).decode_step_seconds(1, 16)
+        cal = Calibration.load(CALIBRATION)
+        quiet = 2 * PerfModel.of(cal).decode_step_seconds(1, 16)
         for _ in range(6):
             singles = sorted(single_tpot(fleet.endpoint) for _ in range(3))
             if singles[-1] <= 1.3 * singles[0] and singles[1] <= quiet:
@@ -124,7 +125,7 @@ def test_decode_scales_up_under_load_then_drains_a_busy_worker(tmp_path):
         print(f"single-request TPOT {single * 1e3:.1f} ms (of {[round(x * 1e3, 1) for x in singles]}); "
               f"target {target * 1e3:.1f} ms", flush=True)
         loop = FleetAutoscaler(fleet, window_s=WINDOW_S, interval_s=2, startup_s=20,
-                               calibration=Calibration.load(CALIBRATION))
+                               calibration=cal)
         loop.start()
         shadow = Shadow(fleet, loop, prom, window_s=WINDOW_S)
 

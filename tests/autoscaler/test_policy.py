@@ -3,6 +3,7 @@
 Each test drives ``Autoscaler.decide`` with a sequence of snapshots on a made-up clock, as the simulator
 and the operator do."""
 import copy
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -447,8 +448,6 @@ def test_room_for_rises_counts_only_rises_beyond_the_counting_noise():
     beyond the headroom's (1 / 0.8); bursts of twice the load for a minute every 10 minutes still keep
     room beyond it (issue 25, the CPU prompt-shift: rises of 1.31-1.40 after the shift held a prefill
     replica more than the level needed). Before the rule the steady load's rises read up to 1.28."""
-    import random
-
     def rises(arrivals_at):
         a = Autoscaler(spec(pre={"maxReplicas": 20}), CAL)
         out = []
@@ -494,6 +493,14 @@ def test_a_decode_hold_weighs_one_slot_in_the_replicas_whole_slots():
                 assert perf.decode_replicas(tokens, ctx, target, hold_s_per_token=step) < doubled, (name, tokens)
 
 
+def decode_beside_prefill(pre_lat, waiting, **kw):
+    """Decode's decision at 2 requests/s on 4 + 4 replicas (decode calm at 0.8x its target), prefill at a
+    p90 TTFT of ``pre_lat`` with ``waiting`` prompts queued; ``kw`` goes to the Autoscaler."""
+    a = Autoscaler(spec(), CAL, **kw)
+    return a.decide(snap(0, role("prefill", 4, arrivals=2.0, latency=pre_lat, waiting=waiting),
+                         role("decode", 4, arrivals=2.0, latency=0.8 * TPOT))).decode
+
+
 def test_decode_counts_a_held_place_at_a_share_of_its_time_to_first_token():
     """Fourteenth session: a request held through its prefill shifts the router's balance to the other
     decode replicas; it does not fill a slot for its whole time to first token. The hold is 0.4 of the
@@ -503,11 +510,9 @@ def test_decode_counts_a_held_place_at_a_share_of_its_time_to_first_token():
     one, strictly below the old (so the check fails on the old shares)."""
     queued = 2 * TTFT   # a prefill queue: p90 TTFT well past the calibrated service of 380 tokens
 
-    def decode_of(pre_lat, waiting=40, **kw):
+    def decode_of(pre_lat, **kw):
         # 40 prompts waiting on 4 prefill replicas: the queue predicts more than the p90, which counts
-        a = Autoscaler(spec(), CAL, **kw)
-        return a.decide(snap(0, role("prefill", 4, arrivals=2.0, latency=pre_lat, waiting=waiting),
-                             role("decode", 4, arrivals=2.0, latency=0.8 * TPOT))).decode
+        return decode_beside_prefill(pre_lat, 40, **kw)
 
     service = PerfModel.of(CAL).remote_prefill_seconds(380)
     for pre_lat in (0.5 * service, queued):
@@ -526,12 +531,7 @@ def test_a_drained_backlog_holds_no_decode_places_for_its_past_waits():
     prompt-shift's drained backlog kept decode's recommendation at 63-64 for a pool of 16)."""
     service = PerfModel.of(CAL).remote_prefill_seconds(380)
     p90 = 10 * service
-
-    def decode_of(waiting):
-        a = Autoscaler(spec(), CAL)
-        return a.decide(snap(0, role("prefill", 4, arrivals=2.0, latency=p90, waiting=waiting),
-                             role("decode", 4, arrivals=2.0, latency=0.8 * TPOT))).decode
-    drained, backlog = decode_of(0), decode_of(60)
+    drained, backlog = decode_beside_prefill(p90, 0), decode_beside_prefill(p90, 60)
     assert drained.inputs["hold_s_per_token"] == pytest.approx(0.4 * service / 16, abs=1e-4), drained.inputs
     assert backlog.inputs["hold_s_per_token"] == pytest.approx(0.25 * p90 / 16, abs=1e-4), backlog.inputs
     assert drained.inputs["need"] < backlog.inputs["need"], (drained.inputs, backlog.inputs)
