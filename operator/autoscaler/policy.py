@@ -176,7 +176,12 @@ class Autoscaler:
             p90 TPOT, times the mean output tokens): a local prefill stalls the decode batch it joins for
             its whole compute. Off, absorption needs decode below the band alone, as until issue 25; on
             the Azure code trace (H200 calibration) that stalled batches with 5k-token prefills and took
-            TPOT attainment to 81.5%.
+            TPOT attainment to 81.5%. And only while the stalls of all the prompts arriving, spread over
+            the ready decode replicas, leave their steps the time to keep the band: with ``u`` the
+            share of a replica's time spent prefilling (prompts/s / decode replicas x the stall), the
+            p90 TPOT becomes about p90 / (1 - u). One stall that fitted the slack was not enough: at 150
+            prompts/s on 6 H200 decode replicas (u = 0.59) absorption took p90 TPOT from 0.011 s to
+            0.043 s for four minutes (docs/autoscaler.md, "Absorption at the rate prompts arrive").
         recurring: confirmation and cancelling apply to isolated bursts only: while the role's
             recommendation was above its count within the last ``recurring_windows`` scale-down windows
             (before the confirmation span), another rise is load coming back, and scales up at once. An
@@ -789,9 +794,14 @@ class Autoscaler:
         if dec_ok and self.absorb_within_slack and self.perf is not None and pre.arrivals_per_s > 0 \
                 and dec.arrivals_per_s > 0 and dec.latency is not None and not math.isnan(dec.latency):
             # a local prefill stalls the decode batch it joins for its whole compute: absorb only when
-            # that stall fits in the running sequences' TPOT slack over their output
+            # that stall fits in the running sequences' TPOT slack over their output, and when the
+            # stalls of every prompt the router then sends to the decode replicas (all of them, while
+            # absorbing: worker/router/policy.py) leave the decode steps the time to keep the band
+            band = lq.target * (1 - lq.tolerance)
             prompt = pre.prompt_tokens_per_s / pre.arrivals_per_s
             output = dec.output_tokens_per_s / dec.arrivals_per_s
-            slack = (lq.target * (1 - lq.tolerance) - dec.latency) * max(output, 1.0)
-            dec_ok = self.perf.local_prefill_seconds(prompt) <= slack
+            stall = self.perf.local_prefill_seconds(prompt)
+            busy = pre.arrivals_per_s / dec.ready * stall
+            dec_ok = stall <= (band - dec.latency) * max(output, 1.0) and busy < 1 \
+                and dec.latency / (1 - busy) <= band
         return bool(short and breaking and dec_ok)

@@ -243,6 +243,26 @@ def test_absorb_bursts_when_prefill_breaks():
     assert not d.absorb_bursts   # decode has no headroom
 
 
+def test_absorb_bursts_only_while_every_arriving_prompt_s_stall_leaves_decode_its_band():
+    """While absorbing, the router prefills every arriving prompt on a decode replica, so each replica
+    spends u = prompts/s / decode replicas x the stall of its time prefilling, and its p90 TPOT becomes
+    about p90 / (1 - u). One stall fitting a sequence's slack is not enough (issue 25: on the H200
+    output-shift, 150 prompts/s on 6 decode replicas, u = 0.59, took p90 TPOT from 0.011 s to 0.043 s
+    for four minutes). 1.5 prompts/s of 380 tokens over 64-token outputs at 0.5x the TPOT target: one
+    stall fits the slack either way; on 6 decode replicas u = 0.40 keeps the band, on 4 u = 0.60 does
+    not."""
+    stall = PerfModel.of(CAL).local_prefill_seconds(380)
+    band = 0.9 * TPOT
+
+    def absorbs(dec_ready):
+        a = Autoscaler(spec(), CAL)
+        return a.decide(snap(0, role("prefill", 2, arrivals=1.5, latency=2 * TTFT, waiting=4),
+                             role("decode", dec_ready, arrivals=1.5, latency=0.5 * TPOT, output=64))).absorb_bursts
+    assert stall <= (band - 0.5 * TPOT) * 64                        # one stall fits the slack
+    assert 0.5 * TPOT / (1 - 1.5 / 6 * stall) <= band and absorbs(6)
+    assert 0.5 * TPOT / (1 - 1.5 / 4 * stall) > band and not absorbs(4)
+
+
 def test_without_calibration():
     a = Autoscaler(spec())
     d = steady(a, 0, 1.0, 2, 2, pre_lat=2 * TTFT, dec_lat=2 * TPOT)
