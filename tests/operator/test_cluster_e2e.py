@@ -8,6 +8,7 @@ Deployment, under the chart's ServiceAccount (a TokenRequest token given by the 
 from __future__ import annotations
 
 import copy
+import datetime
 import json
 import subprocess
 import tempfile
@@ -393,9 +394,19 @@ def test_delete_with_operator_stopped_children_garbage_collected(cluster, operat
 @pytest.mark.timeout(60)
 def test_operator_ran_under_chart_serviceaccount_without_403(cluster, operator):
     time.sleep(2)
-    total, forbidden, routers_403 = 0, [], []
-    for line in Path(cluster.audit_log).read_text().splitlines():
-        ev = json.loads(line)
+    events = [json.loads(line) for line in Path(cluster.audit_log).read_text().splitlines()]
+    # a deleted pool's router Role or RoleBinding can be garbage-collected while its router still runs
+    # (the delete test above); the router's requests after that are refused by design, not for a
+    # missing rule (run 53 of the test command, twenty-fifth session: one list of endpointslices)
+    rbac_gone = {}
+    for ev in events:
+        uri = ev.get("requestURI", "")
+        if ev.get("verb") == "delete" and ev.get("responseStatus", {}).get("code") in (200, 202) and \
+                "/rbac.authorization.k8s.io/" in uri and ("/roles/" in uri or "/rolebindings/" in uri):
+            ns = uri.split("/namespaces/")[1].split("/")[0]
+            rbac_gone.setdefault(ns, ev["requestReceivedTimestamp"])
+    total, forbidden, routers_403, after_delete = 0, [], [], 0
+    for ev in events:
         user = ev.get("user", {}).get("username", "")
         code = ev.get("responseStatus", {}).get("code")
         if user == OPERATOR_SA:
@@ -403,8 +414,18 @@ def test_operator_ran_under_chart_serviceaccount_without_403(cluster, operator):
             if code == 403:
                 forbidden.append(f"{ev.get('verb')} {ev.get('requestURI')}")
         elif user.startswith("system:serviceaccount:") and user.endswith("-router") and code == 403:
-            routers_403.append(f"{user} {ev.get('verb')} {ev.get('requestURI')}")
-    print(f"\n[rbac] {total} audited requests by {OPERATOR_SA}, {len(forbidden)} answered 403")
+            gone = rbac_gone.get(user.split(":")[2])
+            if gone is None or _audit_time(ev["requestReceivedTimestamp"]) < _audit_time(gone):
+                routers_403.append(f"{user} {ev.get('verb')} {ev.get('requestURI')}")
+            else:
+                after_delete += 1
+    print(f"\n[rbac] {total} audited requests by {OPERATOR_SA}, {len(forbidden)} answered 403; "
+          f"{after_delete} router requests refused after their pool's Role or RoleBinding was deleted")
     assert total > 100
     assert not forbidden, forbidden[:20]
     assert not routers_403, routers_403[:20]
+
+
+def _audit_time(stamp: str) -> datetime.datetime:
+    """An audit event's RFC 3339 timestamp (microseconds, ``Z``) as an aware datetime."""
+    return datetime.datetime.fromisoformat(stamp.replace("Z", "+00:00"))
