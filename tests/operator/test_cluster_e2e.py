@@ -395,16 +395,17 @@ def test_delete_with_operator_stopped_children_garbage_collected(cluster, operat
 def test_operator_ran_under_chart_serviceaccount_without_403(cluster, operator):
     time.sleep(2)
     events = [json.loads(line) for line in Path(cluster.audit_log).read_text().splitlines()]
-    # a deleted pool's router Role or RoleBinding can be garbage-collected while its router still runs
-    # (the delete test above); the router's requests after that are refused by design, not for a
-    # missing rule (run 53 of the test command, twenty-fifth session: one list of endpointslices)
+    # a deleted pool's router Role or RoleBinding (named as the router's account) can be
+    # garbage-collected while its router still runs (the delete test above); the router's requests
+    # after that are refused by design, not for a missing rule (run 53 of the test command,
+    # twenty-fifth session: three lists of EndpointSlices)
     rbac_gone = {}
     for ev in events:
         uri = ev.get("requestURI", "")
         if ev.get("verb") == "delete" and ev.get("responseStatus", {}).get("code") in (200, 202) and \
                 "/rbac.authorization.k8s.io/" in uri and ("/roles/" in uri or "/rolebindings/" in uri):
-            ns = uri.split("/namespaces/")[1].split("/")[0]
-            rbac_gone.setdefault(ns, ev["requestReceivedTimestamp"])
+            ns, _, name = uri.split("?")[0].split("/namespaces/")[1].split("/")[:3]
+            rbac_gone.setdefault((ns, name), ev["requestReceivedTimestamp"])
     total, forbidden, routers_403, after_delete = 0, [], [], 0
     for ev in events:
         user = ev.get("user", {}).get("username", "")
@@ -416,7 +417,7 @@ def test_operator_ran_under_chart_serviceaccount_without_403(cluster, operator):
             if code == 403:
                 forbidden.append(f"{ev.get('verb')} {ev.get('requestURI')}")
         elif user.startswith("system:serviceaccount:") and user.endswith("-router") and code == 403:
-            gone = rbac_gone.get(user.split(":")[2])
+            gone = rbac_gone.get(tuple(user.split(":")[2:4]))   # (namespace, the router's Role's name)
             if gone is None or _audit_time(ev["requestReceivedTimestamp"]) < _audit_time(gone):
                 routers_403.append(f"{user} {ev.get('verb')} {ev.get('requestURI')}")
             else:
