@@ -790,14 +790,14 @@ class Autoscaler:
         short = d["prefill"].recommended > pre.ready
         breaking = (pre.latency is not None and not math.isnan(pre.latency) and pre.latency > lp.target) \
             or pre.waiting > pre.ready
-        dec_ok = dec.latency is None or math.isnan(dec.latency) or dec.latency < lq.target * (1 - lq.tolerance)
+        band = lq.target * (1 - lq.tolerance)
+        dec_ok = dec.latency is None or math.isnan(dec.latency) or dec.latency < band
         if dec_ok and self.absorb_within_slack and self.perf is not None and pre.arrivals_per_s > 0 \
                 and dec.arrivals_per_s > 0 and dec.latency is not None and not math.isnan(dec.latency):
             # a local prefill stalls the decode batch it joins for its whole compute: absorb only when
             # that stall fits in the running sequences' TPOT slack over their output, and when the
             # stalls of every prompt the router then sends to the decode replicas (all of them, while
             # absorbing: worker/router/policy.py) leave the decode steps the time to keep the band
-            band = lq.target * (1 - lq.tolerance)
             prompt = pre.prompt_tokens_per_s / pre.arrivals_per_s
             output = dec.output_tokens_per_s / dec.arrivals_per_s
             stall = self.perf.local_prefill_seconds(prompt)
