@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from operator_helpers import (OPERATOR_NS, OPERATOR_SA, ROOT, apply_yaml, condition, kget, render_chart, wait_for)
+from operator_helpers import (OPERATOR_NS, OPERATOR_SA, ROOT, AuditLog, apply_yaml, condition, kget, render_chart,
+                              wait_for)
 
 NS = "e2e"
 POOL = "smollm2"
@@ -394,18 +395,17 @@ def test_delete_with_operator_stopped_children_garbage_collected(cluster, operat
 @pytest.mark.timeout(60)
 def test_operator_ran_under_chart_serviceaccount_without_403(cluster, operator):
     time.sleep(2)
-    events = [json.loads(line) for line in Path(cluster.audit_log).read_text().splitlines()]
+    events = AuditLog(cluster).events()
     # a deleted pool's router Role or RoleBinding (named as the router's account) can be
     # garbage-collected while its router still runs (the delete test above); the router's requests
     # after that are refused by design, not for a missing rule (run 53 of the test command,
     # twenty-fifth session: three lists of EndpointSlices)
     rbac_gone = {}
     for ev in events:
-        uri = ev.get("requestURI", "")
-        if ev.get("verb") == "delete" and ev.get("responseStatus", {}).get("code") in (200, 202) and \
-                "/rbac.authorization.k8s.io/" in uri and ("/roles/" in uri or "/rolebindings/" in uri):
-            ns, _, name = uri.split("?")[0].split("/namespaces/")[1].split("/")[:3]
-            rbac_gone.setdefault((ns, name), ev["requestReceivedTimestamp"])
+        ref = ev.get("objectRef") or {}
+        rbac = ref.get("apiGroup") == "rbac.authorization.k8s.io" and ref.get("resource") in ("roles", "rolebindings")
+        if rbac and ev.get("verb") == "delete" and ev.get("responseStatus", {}).get("code") in (200, 202):
+            rbac_gone.setdefault((ref.get("namespace"), ref.get("name")), ev["requestReceivedTimestamp"])
     total, forbidden, routers_403, after_delete = 0, [], [], 0
     for ev in events:
         user = ev.get("user", {}).get("username", "")
