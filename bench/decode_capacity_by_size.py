@@ -21,6 +21,7 @@ from pathlib import Path
 
 from tandem.operator.autoscaler.capacity import PerfModel
 from tandem.operator.autoscaler.policy import Autoscaler
+from tandem.operator.simulate import baselines as B
 from tandem.operator.simulate import run as R
 from tandem.operator.simulate import scenarios as S
 from tandem.worker.api.calibration import Calibration
@@ -42,7 +43,7 @@ def steady(rate: float, duration: float, seed: int) -> list[dict]:
 def attainment(perf, targets, records, c: int, duration: float) -> float:
     """The share of minutes whose p90 TPOT meets the target, c decode replicas."""
     counts = {"prefill": 4 * c + 8, "decode": c}
-    fleet = R.simulate(R.B.Static(**counts), records, perf, targets, counts, duration)
+    fleet = R.simulate(B.Static(**counts), records, perf, targets, counts, duration)
     return R.summarize(fleet, targets, [], duration)["attainment_tpot"]
 
 
