@@ -49,12 +49,11 @@ def probe_steps(cal, perf: PerfModel, name: str, seed: int) -> tuple[dict, list[
         learn(self, role, snap, planned, tight, service_s)
         if role != "decode" or self.state[role].correction <= before:
             return
-        rs, pre, lim = snap.decode, snap.prefill, self.limits["decode"]
-        prompt = pre.prompt_tokens_per_s / pre.arrivals_per_s if pre.arrivals_per_s > 0 else 0.0
-        output = rs.output_tokens_per_s / rs.arrivals_per_s if rs.arrivals_per_s > 0 else 0.0
-        slots, step = perf.decode_slots(lim.target, prompt + output / 2)
+        rs, lim = snap.decode, self.limits["decode"]
+        inputs = self._demand("decode", snap)[2]   # the context and the hold the policy sized with
+        slots, step = perf.decode_slots(lim.target, inputs["context_tokens"])
         whole = max(1, int(slots))
-        hold = self._demand("decode", snap)[2].get("hold_s_per_token", 0.0)
+        hold = inputs["hold_s_per_token"]
         load = rs.output_tokens_per_s * (step + hold / whole)
         rows.append({"at": snap.at, "window_s": rs.window_s, "ready": rs.ready, "factor": before, "after": self.state[role].correction,
                      "p90_ratio": rs.latency / lim.target, "step": step,
