@@ -77,12 +77,16 @@ def main() -> None:
     ap.add_argument("--seeds", default="0,1")
     ap.add_argument("--detail", help="SCENARIO:SEED whose probe steps are listed one by one")
     args = ap.parse_args()
+    seeds = [int(s) for s in args.seeds.split(",")]
+    if args.detail and args.detail not in {f"{n}:{s}" for n in S.NAMES for s in seeds}:
+        ap.error(f"--detail must be SCENARIO:SEED with a scenario of {', '.join(S.NAMES)} and a seed of "
+                 f"--seeds ({args.seeds}); got {args.detail!r}")
     cal = Calibration.load(args.calibration)
     perf = PerfModel.of(cal)
     print("| input | TPOT att. | probe steps | highest factor | within 2x the prediction | median measured / predicted |")
     print("|---|---|---|---|---|---|")
     detail = {}
-    for seed in (int(s) for s in args.seeds.split(",")):
+    for seed in seeds:
         for name in S.NAMES:
             m, rows = probe_steps(cal, perf, name, seed)
             if args.detail == f"{name}:{seed}":
