@@ -28,7 +28,7 @@ import statistics
 from pathlib import Path
 
 from tandem.operator.autoscaler import policy as P
-from tandem.operator.autoscaler.capacity import PerfModel, erlang_c
+from tandem.operator.autoscaler.capacity import PerfModel
 from tandem.operator.simulate import run as R
 from tandem.operator.simulate import scenarios as S
 from tandem.worker.api.calibration import Calibration
@@ -51,13 +51,12 @@ def probe_steps(cal, perf: PerfModel, name: str, seed: int) -> tuple[dict, list[
             return
         rs, lim = snap.decode, self.limits["decode"]
         inputs = self._demand("decode", snap)[2]   # the context and the hold the policy sized with
-        slots, step = perf.decode_slots(lim.target, inputs["context_tokens"])
-        whole = max(1, int(slots))
-        hold = inputs["hold_s_per_token"]
-        load = rs.output_tokens_per_s * (step + hold / whole)
-        rows.append({"at": snap.at, "window_s": rs.window_s, "ready": rs.ready, "factor": before, "after": self.state[role].correction,
-                     "p90_ratio": rs.latency / lim.target, "step": step,
-                     "predicted": erlang_c(rs.ready * whole, load / before)})
+        ctx = inputs["context_tokens"]
+        predicted = perf.decode_wait_share(rs.ready, rs.output_tokens_per_s / before, ctx, lim.target,
+                                           inputs["hold_s_per_token"])
+        rows.append({"at": snap.at, "window_s": rs.window_s, "ready": rs.ready, "factor": before,
+                     "after": self.state[role].correction, "p90_ratio": rs.latency / lim.target,
+                     "step": perf.decode_slots(lim.target, ctx)[1], "predicted": predicted})
 
     P.Autoscaler._learn = recording
     try:

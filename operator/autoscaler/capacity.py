@@ -260,14 +260,32 @@ class PerfModel:
         slots, step = self.decode_slots(target_s, context)
         if slots <= 0:
             return most
-        # whole slots only: a sequence that must share past them tends to share for much of its life,
-        # so the fractional allowance is left as margin
-        whole = max(1, int(slots))
-        load = tokens_per_s * (step + max(0.0, hold_s_per_token) / whole)
+        whole, load = self._decode_queue(tokens_per_s, slots, step, hold_s_per_token)
         c = max(1, math.ceil(load / whole))
         while c < most and erlang_c(c * whole, load) > 0.1:
             c += 1
         return c
+
+    def decode_wait_share(self, replicas: int, tokens_per_s: float, context: float, target_s: float,
+                          hold_s_per_token: float = 0.0) -> float:
+        """The share of requests that find every decode slot taken (0..1), by Erlang C on the M/G/c queue
+        :meth:`decode_replicas` sizes for (same arguments; ``replicas`` the servers' replicas): the
+        share that method keeps under 0.1. 1.0 when even a batch of one misses ``target_s`` or there is
+        no replica."""
+        slots, step = self.decode_slots(target_s, context)
+        if slots <= 0 or replicas <= 0:
+            return 1.0
+        whole, load = self._decode_queue(tokens_per_s, slots, step, hold_s_per_token)
+        return erlang_c(replicas * whole, load)
+
+    @staticmethod
+    def _decode_queue(tokens_per_s: float, slots: float, step: float, hold_s_per_token: float
+                      ) -> tuple[int, float]:
+        """(servers per replica, load in erlangs) of decode's M/G/c queue (:meth:`decode_replicas`)."""
+        # whole slots only: a sequence that must share past them tends to share for much of its life,
+        # so the fractional allowance is left as margin
+        whole = max(1, int(slots))
+        return whole, tokens_per_s * (step + max(0.0, hold_s_per_token) / whole)
 
     def decode_p90(self, running: float, context: float) -> float:
         """p90 TPOT (s) at ``running`` mean sequences per replica of mean KV length ``context``."""

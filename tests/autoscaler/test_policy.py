@@ -513,6 +513,26 @@ def test_a_decode_hold_weighs_one_slot_in_the_replicas_whole_slots():
                 assert perf.decode_replicas(tokens, ctx, target, hold_s_per_token=step) < doubled, (name, tokens)
 
 
+def test_decode_wait_share_is_the_erlang_c_share_decode_replicas_keeps_under_a_tenth():
+    """``PerfModel.decode_wait_share`` (the prediction bench/decode_probe_evidence.py checks the probe
+    against) reads the queue ``decode_replicas`` sizes: at the count that method returns, at most 10% of
+    requests find every slot taken; at one replica fewer, more do. On both calibrations, with and
+    without a hold."""
+    root = Path(__file__).resolve().parents[2]
+    for name, ctx in (("smollm2-cpu-scenarios.yaml", 300), ("llama3-8b-h200.yaml", 2000)):
+        perf = PerfModel.of(Calibration.load(root / "bench/calibrations" / name))
+        target = 1.5 * perf.decode_step_seconds(1, ctx)
+        for tokens in (50.0, 400.0, 3000.0):
+            for hold in (0.0, perf.decode_step_seconds(1, ctx)):
+                c = perf.decode_replicas(tokens, ctx, target, hold_s_per_token=hold)
+                assert perf.decode_wait_share(c, tokens, ctx, target, hold) <= 0.1, (name, tokens, hold, c)
+                if c > 1:
+                    assert perf.decode_wait_share(c - 1, tokens, ctx, target, hold) > 0.1, (name, tokens, hold, c)
+    perf = PerfModel.of(CAL)
+    assert perf.decode_wait_share(0, 50.0, 300, 1.0) == 1.0
+    assert perf.decode_wait_share(4, 50.0, 300, 0.5 * perf.decode_step_seconds(1, 300)) == 1.0   # batch 1 misses
+
+
 def decode_beside_prefill(pre_lat, waiting, **kw):
     """Decode's decision at 2 requests/s on 4 + 4 replicas (decode calm at 0.8x its target), prefill at a
     p90 TTFT of ``pre_lat`` with ``waiting`` prompts queued; ``kw`` goes to the Autoscaler."""
