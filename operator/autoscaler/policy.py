@@ -559,9 +559,14 @@ class Autoscaler:
         flowing, a latency measured) in which the model's view can be checked: above the band while the
         model said the ready replicas suffice (``planned`` <= ready), capacity was overrated (-10%); well
         below the target (< 0.75) while the model said the count is tight (25% more load would need more
-        replicas: ``tight`` > ready), it was underrated (+2%, a slow probe paced by the scale-down
-        window; within ``probe_memory_s`` of an overload, not past the value that lowered it to). Low
-        latency at low load says nothing about capacity, so it teaches nothing."""
+        replicas: ``tight`` > ready), it was underrated (+2% a tick; within ``probe_memory_s`` of an
+        overload, not past the value that lowered it to). The count follows a raise only at the
+        scale-down window's pace, so while the window holds the count several raises go untested by a
+        smaller pool: on the CPU calibration's diurnal at seed 0 prefill's factor climbed 1.0 -> 1.52 at
+        a steady 7 replicas, past the 1.2 that ``bench/prefill_capacity_by_size.py`` measures, and every
+        rule found that stops it sooner costs the H200 calibration, whose right factor is 2.1-2.3
+        (docs/autoscaler.md, "Prefill's factor is a different error on each calibration"). Low latency at
+        low load says nothing about capacity, so it teaches nothing."""
         rs, st, lim = snap.role(role), self.state[role], self.limits[role]
         lat = rs.latency
         known = lat is not None and not math.isnan(lat)
