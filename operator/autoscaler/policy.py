@@ -563,10 +563,10 @@ class Autoscaler:
         overload, not past the value that lowered it to). The count follows a raise only at the
         scale-down window's pace, so while the window holds the count several raises go untested by a
         smaller pool: on the CPU calibration's diurnal at seed 0 prefill's factor climbed 1.0 -> 1.52 at
-        a steady 7 replicas, past the 1.2 that ``bench/prefill_capacity_by_size.py`` measures, and every
-        rule found that stops it sooner costs the H200 calibration, whose right factor is 2.1-2.3
-        (docs/autoscaler.md, "Prefill's factor is a different error on each calibration"). Low latency at
-        low load says nothing about capacity, so it teaches nothing."""
+        a steady 7 replicas, past the 1.2 that ``bench/capacity_by_size.py --role prefill`` measures,
+        and every rule found that stops it sooner costs the H200 calibration, whose right factor is
+        2.0-2.3 (docs/autoscaler.md, "Prefill's factor is a different error on each calibration"). Low
+        latency at low load says nothing about capacity, so it teaches nothing."""
         rs, st, lim = snap.role(role), self.state[role], self.limits[role]
         lat = rs.latency
         known = lat is not None and not math.isnan(lat)

@@ -1,0 +1,115 @@
+"""How far each role's capacity model is from the simulator's, by pool size and calibration (issue 25:
+whether one learned capacity factor per role can be right at every size, and how far each role's probe
+must take it; docs/autoscaler.md, "The factor learned at the peak, used at the trough" for decode and
+"Prefill's factor is a different error on each calibration" for prefill).
+
+    PYTHONSAFEPATH=1 .venv/bin/python bench/capacity_by_size.py [--role decode|prefill] \
+        [--calibration bench/calibrations/smollm2-cpu-scenarios.yaml] [--counts 2,3,4,6,8,11,16] \
+        [--duration 3600] [--seed 3]
+
+For each count c of the role measured, a static fleet (c replicas of it; the other role ample: prefill
+at 4c + 8 so that it queues nowhere, or decode at 3c + 8 so that TPOT and the decode replicas' KV never
+hold a prompt back) serves steady Poisson load with the scenarios' length distributions and SLOs
+(operator/simulate/scenarios.py). The table gives the most load (prompts/s, by bisection) at which the
+role's p90 (TPOT or TTFT) meets its target in at least 95% of minutes, the most that the model sizes c
+replicas for (capacity factor 1, no headroom), and their ratio: the capacity factor that would be right
+at that size.
+- decode: ``PerfModel.decode_replicas``, with the policy's decode hold at its default share of the
+  prefill service.
+- prefill: ``PerfModel.prefill_replicas`` (the M/G/c queue of the mean prompt's remote-prefill service),
+  and both loads as utilization (erlangs per replica in that one-prompt service). A simulated replica,
+  like the engine, prefills every prompt waiting at a step together up to its token budget, paying the
+  step's fixed cost and the KV transfer's tail once, so its utilization can pass 1 where the model's
+  cannot.
+The simulator is deterministic, so the figures repeat on any machine.
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from tandem.operator.autoscaler.capacity import PerfModel
+from tandem.operator.autoscaler.policy import Autoscaler
+from tandem.operator.simulate import baselines as B
+from tandem.operator.simulate import run as R
+from tandem.operator.simulate import scenarios as S
+from tandem.worker.api.calibration import Calibration
+from tandem.worker.bench.trace import generate
+
+CAL = Path(__file__).resolve().parent / "calibrations" / "smollm2-cpu-scenarios.yaml"
+AIM = R.ATTAINMENT_AIM
+#: per role: default counts, the other role's count, the attainment measured, the bisection's first
+#: upper bound in prompts/s per replica and its iterations
+ROLES = {"decode": ("2,3,4,5,6,8,11,16", lambda c: {"prefill": 4 * c + 8, "decode": c}, "attainment_tpot", 0.25, 12),
+         "prefill": ("2,3,4,6,8,11,16", lambda c: {"prefill": c, "decode": 3 * c + 8}, "attainment_ttft", 0.5, 10)}
+
+
+def steady(rate: float, duration: float, seed: int) -> list[dict]:
+    _, recs = generate("step", duration=duration, rate=rate, at=duration / 2, to_rate=rate,
+                       prompt_tokens=S.PROMPT, output_tokens=S.OUTPUT, sigma=S.SIGMA, seed=seed)
+    for r in recs:   # as scenarios.build clips them
+        r["output_tokens"] = max(2, r["output_tokens"])
+        r["prompt_tokens"] = min(r["prompt_tokens"], S.MAX_MODEL_LEN - r["output_tokens"])
+    return recs
+
+
+def attainment(role: str, perf, targets, records, c: int, duration: float) -> float:
+    """The share of minutes whose p90 of ``role`` meets its target, c replicas of it."""
+    counts = ROLES[role][1](c)
+    fleet = R.simulate(B.Static(**counts), records, perf, targets, counts, duration)
+    return R.summarize(fleet, targets, [], duration)[ROLES[role][2]]
+
+
+def most(ok, lo: float = 0.0, hi: float = 1.0, iters: int = 12) -> float:
+    """The largest x in (lo, ...) with ok(x), by doubling ``hi`` then bisection (ok falls with x)."""
+    while ok(hi):
+        lo, hi = hi, 2 * hi
+    for _ in range(iters):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo
+
+
+def model_row(role: str, perf, targets, recs, c: int, sim: float) -> str:
+    """The model's most load for c replicas of ``role`` at the measured load's lengths, and the row."""
+    prompt = sum(r["prompt_tokens"] for r in recs) / len(recs)
+    hi = ROLES[role][3] * c
+    if role == "prefill":
+        s = perf.remote_prefill_seconds(prompt)
+        model = most(lambda r: perf.prefill_replicas(r * s, s, targets["prefill"], 10 ** 5) <= c, hi=hi, iters=30)
+        return f"| {c} | {sim:.3f} | {model:.3f} | {sim / model:.2f} | {sim * s / c:.2f}, {model * s / c:.2f} |"
+    output = sum(r["output_tokens"] for r in recs) / len(recs)
+    share = Autoscaler.__init__.__kwdefaults__["hold_service_share"]
+    ctx, hold = prompt + output / 2, share * perf.remote_prefill_seconds(prompt) / max(output, 1.0)
+    model = most(lambda r: perf.decode_replicas(r * output, ctx, targets["decode"], 10 ** 5, hold) <= c,
+                 hi=hi, iters=30)
+    return f"| {c} | {sim:.3f} | {model:.3f} | {sim / model:.2f} |"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--role", choices=sorted(ROLES), default="decode")
+    ap.add_argument("--calibration", default=str(CAL))
+    ap.add_argument("--counts", help="comma-separated replica counts (default: the role's)")
+    ap.add_argument("--duration", type=float, default=3600.0)
+    ap.add_argument("--seed", type=int, default=3)
+    args = ap.parse_args()
+    role = args.role
+    counts, _, _, per, iters = ROLES[role]
+    perf = PerfModel.of(Calibration.load(args.calibration))
+    targets = S.build("step", perf, 1).targets
+    metric = "TPOT" if role == "decode" else "TTFT"
+    print(f"calibration {args.calibration}; {metric} target {targets[role]:.4f} s; {args.duration:.0f} s of "
+          f"steady load per point, seed {args.seed}\n")
+    extra = " utilization: simulated, model |" if role == "prefill" else ""
+    print(f"| {role} replicas | simulated: most prompts/s at >= 95% of minutes | model: most prompts/s | "
+          f"simulated / model |{extra}")
+    print("|---|---|---|---|" + ("---|" if extra else ""))
+    for c in (int(x) for x in (args.counts or counts).split(",")):
+        sim = most(lambda r: attainment(role, perf, targets, steady(r, args.duration, args.seed), c, args.duration)
+                   >= AIM, hi=per * c, iters=iters)
+        print(model_row(role, perf, targets, steady(max(sim, 0.05), args.duration, args.seed), c, sim), flush=True)
+
+
+if __name__ == "__main__":
+    main()
