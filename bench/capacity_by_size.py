@@ -26,22 +26,32 @@ The simulator is deterministic, so the figures repeat on any machine.
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
+from typing import Callable, NamedTuple
 
 from tandem.operator.autoscaler.capacity import PerfModel
 from tandem.operator.autoscaler.policy import Autoscaler
 from tandem.operator.simulate import baselines as B
 from tandem.operator.simulate import run as R
 from tandem.operator.simulate import scenarios as S
+from tandem.operator.simulate.tune import DEFAULT_CALIBRATION
 from tandem.worker.api.calibration import Calibration
 from tandem.worker.bench.trace import generate
 
-CAL = Path(__file__).resolve().parent / "calibrations" / "smollm2-cpu-scenarios.yaml"
 AIM = R.ATTAINMENT_AIM
-#: per role: default counts, the other role's count, the attainment measured, the bisection's first
-#: upper bound in prompts/s per replica and its iterations
-ROLES = {"decode": ("2,3,4,5,6,8,11,16", lambda c: {"prefill": 4 * c + 8, "decode": c}, "attainment_tpot", 0.25, 12),
-         "prefill": ("2,3,4,6,8,11,16", lambda c: {"prefill": c, "decode": 3 * c + 8}, "attainment_ttft", 0.5, 10)}
+
+
+class Role(NamedTuple):
+    counts: str                       # the counts measured by default
+    fleet: Callable[[int], dict]      # the static fleet for c replicas of the role (the other one ample)
+    attainment: str                   # the run summary's attainment of the role's SLO
+    per_replica: float                # the bisection's first upper bound, prompts/s per replica
+    iters: int                        # the simulated bisection's iterations
+
+
+ROLES = {"decode": Role("2,3,4,5,6,8,11,16", lambda c: {"prefill": 4 * c + 8, "decode": c},
+                        "attainment_tpot", 0.25, 12),
+         "prefill": Role("2,3,4,6,8,11,16", lambda c: {"prefill": c, "decode": 3 * c + 8},
+                         "attainment_ttft", 0.5, 10)}
 
 
 def steady(rate: float, duration: float, seed: int) -> list[dict]:
@@ -55,9 +65,9 @@ def steady(rate: float, duration: float, seed: int) -> list[dict]:
 
 def attainment(role: str, perf, targets, records, c: int, duration: float) -> float:
     """The share of minutes whose p90 of ``role`` meets its target, c replicas of it."""
-    counts = ROLES[role][1](c)
+    counts = ROLES[role].fleet(c)
     fleet = R.simulate(B.Static(**counts), records, perf, targets, counts, duration)
-    return R.summarize(fleet, targets, [], duration)[ROLES[role][2]]
+    return R.summarize(fleet, targets, [], duration)[ROLES[role].attainment]
 
 
 def most(ok, lo: float = 0.0, hi: float = 1.0, iters: int = 12) -> float:
@@ -73,7 +83,7 @@ def most(ok, lo: float = 0.0, hi: float = 1.0, iters: int = 12) -> float:
 def model_row(role: str, perf, targets, recs, c: int, sim: float) -> str:
     """The model's most load for c replicas of ``role`` at the measured load's lengths, and the row."""
     prompt = sum(r["prompt_tokens"] for r in recs) / len(recs)
-    hi = ROLES[role][3] * c
+    hi = ROLES[role].per_replica * c
     if role == "prefill":
         s = perf.remote_prefill_seconds(prompt)
         model = most(lambda r: perf.prefill_replicas(r * s, s, targets["prefill"], 10 ** 5) <= c, hi=hi, iters=30)
@@ -89,13 +99,13 @@ def model_row(role: str, perf, targets, recs, c: int, sim: float) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--role", choices=sorted(ROLES), default="decode")
-    ap.add_argument("--calibration", default=str(CAL))
+    ap.add_argument("--calibration", default=str(DEFAULT_CALIBRATION))
     ap.add_argument("--counts", help="comma-separated replica counts (default: the role's)")
     ap.add_argument("--duration", type=float, default=3600.0)
     ap.add_argument("--seed", type=int, default=3)
     args = ap.parse_args()
     role = args.role
-    counts, _, _, per, iters = ROLES[role]
+    spec = ROLES[role]
     perf = PerfModel.of(Calibration.load(args.calibration))
     # the scenarios' SLOs at their median lengths (scenarios.slo), without building a scenario: a
     # calibration whose peak rule asks for more requests than a trace holds has no scenario to build
@@ -107,9 +117,9 @@ def main() -> None:
     print(f"| {role} replicas | simulated: most prompts/s at >= 95% of minutes | model: most prompts/s | "
           f"simulated / model |{extra}")
     print("|---|---|---|---|" + ("---|" if extra else ""))
-    for c in (int(x) for x in (args.counts or counts).split(",")):
+    for c in (int(x) for x in (args.counts or spec.counts).split(",")):
         sim = most(lambda r: attainment(role, perf, targets, steady(r, args.duration, args.seed), c, args.duration)
-                   >= AIM, hi=per * c, iters=iters)
+                   >= AIM, hi=spec.per_replica * c, iters=spec.iters)
         print(model_row(role, perf, targets, steady(max(sim, 0.05), args.duration, args.seed), c, sim), flush=True)
 
 

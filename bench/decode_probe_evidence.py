@@ -25,15 +25,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-from pathlib import Path
 
 from tandem.operator.autoscaler import policy as P
 from tandem.operator.autoscaler.capacity import PerfModel
 from tandem.operator.simulate import run as R
 from tandem.operator.simulate import scenarios as S
+from tandem.operator.simulate.tune import DEFAULT_CALIBRATION
 from tandem.worker.api.calibration import Calibration
 
-CAL = Path(__file__).resolve().parent / "calibrations" / "smollm2-cpu-scenarios.yaml"
 SLOWED = 1.1   # a TPOT this far past the SLO batch's step counts as slowed by sharing
 
 
@@ -72,7 +71,7 @@ def probe_steps(cal, perf: PerfModel, name: str, seed: int) -> tuple[dict, list[
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--calibration", default=str(CAL))
+    ap.add_argument("--calibration", default=str(DEFAULT_CALIBRATION))
     ap.add_argument("--seeds", default="0,1")
     ap.add_argument("--detail", help="SCENARIO:SEED whose probe steps are listed one by one")
     args = ap.parse_args()
