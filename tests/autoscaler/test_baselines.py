@@ -136,6 +136,30 @@ def test_dynamo_default_predictor_is_auto_arima():
     assert math.isclose(p.predict_next(), 200.0, rel_tol=0.03)
 
 
+def test_the_reactive_oracle_learns_of_a_minute_once_it_has_begun():
+    """The reactive oracle is the cost aim's yardstick because no policy that sees only the present can
+    do better. At the tick on a minute's boundary nothing of that minute has happened yet, so it still
+    sizes for the minute before; until the twenty-eighth session it read the new minute there, one tick
+    ahead of anything a present-only policy can know (the scenarios' shifts start on a boundary). The
+    oracle with foresight does read it (and the next minute)."""
+    minutes = [{"rps": 2}, {"rps": 2}, {"rps": 9}, {"rps": 5}]
+
+    def sized(oracle):
+        oracle.need = lambda load: {"prefill": load["rps"], "decode": load["rps"]}
+        return oracle
+    reactive = sized(B.ReactiveOracle(None, TARGETS, minutes))
+    assert counts(reactive, snap(105)) == (2, 2)
+    assert counts(reactive, snap(120)) == (2, 2)   # minute 2 begins now: none of it seen yet
+    assert counts(reactive, snap(135)) == (9, 9)
+    assert counts(reactive, snap(180)) == (9, 9)   # minute 3 begins now
+    assert counts(reactive, snap(195)) == (5, 5)
+    assert counts(reactive, snap(0)) == (2, 2)     # before anything: the first minute
+    assert counts(reactive, snap(999)) == (5, 5)   # past the last minute: the last one
+    foresight = sized(B.Oracle(None, TARGETS, minutes))
+    assert counts(foresight, snap(105)) == (9, 9)  # this minute and the next
+    assert counts(foresight, snap(120)) == (9, 9)
+
+
 def test_the_reactive_oracle_held_to_the_pools_behavior_replays_hpa_behavior():
     """The yardstick ``run.reach`` uses beside the plain reactive oracle: its recommendation (here forced,
     one per tick) goes through the pool's behavior as HPA applies it (horizontal.go
