@@ -1,5 +1,8 @@
 """Every policy on an imported production trace in the simulator: the baselines tuned on the trace's first
-half (the table's grids and rule), then every policy on the first half and, separately, the second half.
+half (the table's grids and rule), then every policy on the first half and, separately, the second half,
+and issue 25's aims on each half, the cost aim judged and every miss checked against the reactive oracle
+at every setting, plain and held to the pool's scaling behavior, as on the scenarios (``run.aims``,
+``run.yardsticks``, ``run.reach``).
 
     PYTHONSAFEPATH=1 .venv/bin/python bench/trace_table.py --format azure ../shared/traces/azure2023_code.csv \
         --scale 40 --calibration bench/calibrations/llama3-8b-h200.yaml [--jobs 2]
@@ -19,6 +22,7 @@ from tandem.operator.autoscaler.capacity import PerfModel
 from tandem.operator.simulate import run as R
 from tandem.operator.simulate import scenarios as S
 from tandem.operator.simulate.baselines import Oracle
+from tandem.operator.simulate.tune import format_reach
 from tandem.operator.spec import load_manifest
 from tandem.worker.api.calibration import Calibration
 from tandem.worker.bench.trace_import import import_trace
@@ -99,10 +103,22 @@ def main() -> None:
                 json.dump(tuned, f, indent=1)
         jobs = [(p, tuned.get(p), h) for h in ("first", "second") for p in R.POLICIES]
         res = list(ex.map(_run, jobs))
+        # the cost aim's yardsticks and run.reach's judges, as on the scenarios: the reactive oracle at
+        # every setting of its grid, plain and held to the pool's scaling behavior, on each half
+        judges = ("oracle-reactive", R.BEHAVED)
+        fjobs = [(p, k, h) for h in ("first", "second") for p in judges for k in R.GRIDS[p]]
+        fres = list(ex.map(_run, fjobs))
     tab = {}
     for (p, _, h), m in zip(jobs, res):
         tab.setdefault(f"{h} half", {})[p] = m
-    print(R.format_table(tab))
+    front, held = {}, {}
+    for (p, _, h), m in zip(fjobs, fres):
+        (front if p == judges[0] else held).setdefault(f"{h} half", []).append(m)
+    rows = R.aims(tab, R.yardsticks(front, held))
+    print(R.format_table(tab) + "\n\n" + R.format_aims(rows)
+          + "\n\nThe reactive oracle at every setting:\n\n" + R.format_frontier(front)
+          + "\n\nThe same, held to the pool's scaling behavior:\n\n" + R.format_frontier(held)
+          + "\n\n" + format_reach(rows, R.reach(tab, front, held)))
     print(f"\n({time.time() - t0:.0f} s wall)")
 
 
