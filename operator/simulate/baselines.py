@@ -20,10 +20,10 @@ stands in for an upstream metric:
 - ``oracle``: knows each minute's load (arrivals, mean lengths) a tick ahead and starts replicas with no
   start-up time; sizes with the calibrated capacity model, its knob the planned utilization of it.
 - ``oracle-reactive``: the oracle without foresight: it knows the load of a minute once that minute has
-  begun (from the first tick after its first second: at a minute's boundary it has seen none of it) and
-  its replicas pay the start-up time like everyone's. No causal policy that sizes from the present load does better than it at the same
-  utilization, so its settings, all run, show which aims a reactive policy can reach at all
-  (``run.reach``). A yardstick, like the oracle, not a peer.
+  begun (from the first tick after its first second: at a minute's boundary it has seen none of it)
+  and its replicas pay the start-up time like everyone's. No causal policy that sizes from the present
+  load does better than it at the same utilization, so its settings, all run, show which aims a
+  reactive policy can reach at all (``run.reach``). A yardstick, like the oracle, not a peer.
 - ``oracle-reactive-behaved``: the reactive oracle held to the pool spec's scaling behavior (stabilization
   windows and steps), which tandem's policy keeps and the plain one ignores; ``run.reach`` uses it to
   tell an aim a reactive policy misses because of the pool's behavior from one it misses on its own.
@@ -611,7 +611,7 @@ class Oracle:
         loads = [self.minutes[i] for i in range(m, m + self.ahead + 1) if 0 <= i < len(self.minutes)]
         needs = [self.need(x) for x in loads] or [{"prefill": self.min, "decode": self.min}]
         want = {r: max(n[r] for n in needs) for r in ROLES}
-        why = "this and the next minute's load" if self.ahead else "this minute's load"
+        why = "this and the next minute's load" if self.ahead else f"minute {m}'s load (the last begun)"
         return _decision(snap, want, {r: why for r in ROLES})
 
 

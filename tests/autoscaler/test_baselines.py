@@ -158,6 +158,7 @@ def test_the_reactive_oracle_learns_of_a_minute_once_it_has_begun():
     foresight = sized(B.Oracle(None, TARGETS, minutes))
     assert counts(foresight, snap(105)) == (9, 9)  # this minute and the next
     assert counts(foresight, snap(120)) == (9, 9)
+    assert counts(foresight, snap(180)) == (5, 5)  # from a minute's first second
 
 
 def test_the_reactive_oracle_held_to_the_pools_behavior_replays_hpa_behavior():
