@@ -5,7 +5,7 @@ at every setting, plain and held to the pool's scaling behavior, as on the scena
 ``run.yardsticks``, ``run.reach``).
 
     PYTHONSAFEPATH=1 .venv/bin/python bench/trace_table.py --format azure ../shared/traces/azure2023_code.csv \
-        --scale 40 --calibration bench/calibrations/llama3-8b-h200.yaml [--jobs 2]
+        --scale 40 --calibration bench/calibrations/llama3-8b-h200.yaml [--jobs 2] [--fit-medians 256,10]
 
 The SLOs and maxReplicas come from the whole (scaled) trace (scenarios.trace_scenario: 3x the
 single-request TTFT at the p90 prompt, 1.5x the single-request TPOT at the p90 context); each half runs
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from concurrent.futures import ProcessPoolExecutor
 
@@ -25,14 +26,19 @@ from tandem.operator.simulate.baselines import Oracle
 from tandem.operator.simulate.tune import format_reach
 from tandem.operator.spec import load_manifest
 from tandem.worker.api.calibration import Calibration
-from tandem.worker.bench.trace_import import import_trace
+from tandem.worker.bench.trace_import import fit_lengths, import_trace
 
 _STATE: dict = {}
 
 
-def _setup(fmt, path, k, cal_path):
+def _setup(fmt, path, k, cal_path, medians=None):
     params, recs = import_trace(fmt, path, k=k)
     cal = Calibration.load(cal_path)
+    if medians:
+        # issue 25's mapping onto a calibration measured at shorter lengths (fit_lengths)
+        lo, hi = cal.fits["prefill"].ranges()["n"]
+        recs = fit_lengths(recs, *medians, prompt_range=(lo, hi),
+                           max_len=float(cal.engine.get("max_model_len", math.inf)))
     perf = PerfModel.of(cal)
     sc = S.trace_scenario(perf, recs, "trace")
     half = params["duration"] / 2
@@ -66,11 +72,23 @@ def main() -> None:
     ap.add_argument("--calibration", required=True)
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--tuned-out", default=None, help="write the tuned knobs here (JSON)")
+    ap.add_argument("--fit-medians", default=None, metavar="PROMPT,OUTPUT",
+                    help="scale the trace's lengths to these median token counts, prompts clipped to the "
+                         "calibration's measured range (issue 25's mapping onto the CPU calibration: 256,10)")
     args = ap.parse_args()
     t0 = time.time()
-    init = (args.format, args.file, args.scale, args.calibration)
+    medians = None
+    if args.fit_medians:
+        try:
+            medians = tuple(float(x) for x in args.fit_medians.split(","))
+            assert len(medians) == 2
+        except (ValueError, AssertionError):
+            ap.error(f"--fit-medians: PROMPT,OUTPUT token counts (got {args.fit_medians!r})")
+    init = (args.format, args.file, args.scale, args.calibration, medians)
     _setup(*init)
     sc = _STATE["sc"]
+    if medians:
+        print(f"lengths fitted to median prompt {medians[0]:g} and output {medians[1]:g} tokens", flush=True)
     print(f"{args.file} x{args.scale}: {sum(len(h[0]) for h in _STATE['halves'].values())} requests; SLO p90 TTFT "
           f"{sc.ttft_target:.3f} s, p90 TPOT {sc.tpot_target * 1e3:.2f} ms; maxReplicas {sc.max_replicas} per role",
           flush=True)

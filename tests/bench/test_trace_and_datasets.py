@@ -169,6 +169,30 @@ def test_import_window_and_scale():
     assert sorted(r["prompt_tokens"] for r in s) == sorted(3 * [r["prompt_tokens"] for r in one])
 
 
+def test_fit_lengths_maps_a_trace_onto_other_medians_and_clips():
+    """A trace mapped onto a calibration measured at other lengths: every length scaled by one factor per
+    kind so that the medians are the given ones, prompts clipped to the calibrated range, outputs to at
+    least 2 and to the context left; timing kept, prefix blocks dropped."""
+    import statistics
+
+    from tandem.worker.bench.trace_import import fit_lengths, import_trace
+    _, one = import_trace("mooncake", os.path.join(DATA, "mooncake_small.jsonl"))
+    fitted = fit_lengths(one, 64, 8, prompt_range=(32, 100), max_len=120)
+    assert [r["timestamp"] for r in fitted] == [r["timestamp"] for r in one]
+    assert all("hash_ids" not in r for r in fitted) and all("hash_ids" in r for r in one)
+    assert statistics.median(r["prompt_tokens"] for r in fitted) == pytest.approx(64, abs=1)
+    assert statistics.median(r["output_tokens"] for r in fitted) == pytest.approx(8, abs=1)
+    assert all(32 <= r["prompt_tokens"] <= 100 for r in fitted)
+    assert all(2 <= r["output_tokens"] <= 120 - r["prompt_tokens"] for r in fitted)
+    # one factor per kind: the order of the lengths is kept where nothing was clipped
+    fp = 64 / statistics.median(r["prompt_tokens"] for r in one)
+    assert [r["prompt_tokens"] for r in fitted] == [min(100, max(32, round(r["prompt_tokens"] * fp))) for r in one]
+    with pytest.raises(ValueError, match="medians must be > 0"):
+        fit_lengths(one, 0, 8)
+    with pytest.raises(ValueError, match="no room"):
+        fit_lengths(one, 64, 8, prompt_range=(100, 32))
+
+
 @pytest.mark.parametrize("fmt, text, says", [
     ("azure", "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03.97,12,3\n2023-11-16 18:17:04.0,x,3\n",
      r":3: ContextTokens: "),

@@ -95,13 +95,15 @@ class Fit:
         return {"points": int(len(y)), "r2": round(r2, 4), "mean_abs_rel_err": round(float(rel.mean()), 4),
                 "max_abs_rel_err": round(float(rel.max()), 4)}
 
-    def to_dict(self) -> dict:
+    def ranges(self) -> dict:
+        """{input name: [least, most]} over the fitted samples: where the fit was measured."""
         s = np.asarray(self.samples, dtype=float)
+        return {name: [float(s[:, i].min()), float(s[:, i].max())] for i, name in enumerate(self.formula.inputs)}
+
+    def to_dict(self) -> dict:
         return {"formula": self.formula.text, "unit": "seconds",
                 "coefficients": {k: float(v) for k, v in zip(self.formula.coefficients, self.coef)},
-                "fit": self.quality(),
-                "range": {name: [float(s[:, i].min()), float(s[:, i].max())]
-                          for i, name in enumerate(self.formula.inputs)},
+                "fit": self.quality(), "range": self.ranges(),
                 "samples": [[float(v) for v in row] for row in self.samples]}
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import csv
 import math
+import statistics
 from datetime import datetime
 from pathlib import Path
 from typing import Optional
@@ -124,6 +125,33 @@ def scale(records: list[dict], k: int, duration: float, spread: float = SCALE_SP
                 c["hash_ids"] = [h + j * top for h in r["hash_ids"]]
             out.append(c)
     out.sort(key=lambda r: r["timestamp"])
+    return out
+
+
+def fit_lengths(records: list[dict], prompt_median: float, output_median: float,
+                prompt_range: tuple[float, float] = (1, math.inf), max_len: float = math.inf) -> list[dict]:
+    """The records with every prompt and output length multiplied so that their medians become
+    ``prompt_median`` and ``output_median`` tokens (rounded), prompts then clipped to ``prompt_range`` and
+    outputs to at least 2 tokens and at most ``max_len`` less the prompt: a trace mapped onto a calibration
+    measured at other lengths, its timing and the shape of its length distributions kept (issue 25's check
+    of the Azure code trace on the CPU scenarios' calibration: medians 256 and 10, prompts clipped to the
+    calibrated 32-1,024). A record's ``hash_ids`` are dropped, since its blocks no longer match its
+    tokens. Raises ValueError for a median that is not > 0, an empty range, or no records."""
+    if not records:
+        raise ValueError("no records to fit")
+    if not (prompt_median > 0 and output_median > 0):
+        raise ValueError(f"medians must be > 0 tokens (got {prompt_median:g}, {output_median:g})")
+    lo, hi = prompt_range
+    if not (1 <= lo <= hi) or max_len < lo + 2:
+        raise ValueError(f"prompt range {lo:g}-{hi:g} with max_len {max_len:g} leaves no room for a request")
+    fp = prompt_median / statistics.median(r["prompt_tokens"] for r in records)
+    fo = output_median / statistics.median(r["output_tokens"] for r in records)
+    out = []
+    for r in records:
+        c = {k: v for k, v in r.items() if k != "hash_ids"}
+        c["prompt_tokens"] = int(min(hi, max(lo, round(r["prompt_tokens"] * fp))))
+        c["output_tokens"] = int(max(2, min(max_len - c["prompt_tokens"], round(r["output_tokens"] * fo))))
+        out.append(c)
     return out
 
 
