@@ -2,6 +2,7 @@
 
     tandem simulate --trace TRACE [--pool MANIFEST] --calibration FILE [--policy NAME|all] [--tuned K.json]
     tandem simulate --scenario step [--seed 0] [--write-trace T.jsonl] [--write-pool POOL.yaml] ...
+    tandem simulate ... --aims   # and issue 25's aims, judged as `python -m tandem.operator.simulate.tune` does
 
 The SLOs are the manifest's targets (prefill TTFT, decode TPOT); without --pool, a pool is made for the
 trace (scenarios.trace_scenario: 3x the single-request TTFT at the trace's p90 prompt, 1.5x the
@@ -78,6 +79,8 @@ def _check_args(args) -> None:
                              "with --scenario")
     if args.decisions and not args.json:
         raise ValueError("--decisions only applies with --json")
+    if args.aims and args.policy != "all":
+        raise ValueError("--aims compares tandem with every peer: it needs --policy all")
     if not (math.isfinite(args.tick) and args.tick > 0):
         raise ValueError(f"--tick must be a finite number of seconds > 0 (got {args.tick:g})")
     if not (math.isfinite(args.startup) and args.startup >= 0):
@@ -118,7 +121,7 @@ def _simulate(args) -> int:
     from tandem.operator.autoscaler.policy import gpus_per_replica
     from tandem.operator.simulate import run as R
     from tandem.operator.simulate import scenarios as S
-    from tandem.operator.simulate.tune import DEFAULT_CALIBRATION, tuned_key
+    from tandem.operator.simulate.tune import DEFAULT_CALIBRATION, format_reach, tuned_key
     from tandem.operator.spec import SpecError, load_manifest
     from tandem.worker.api.calibration import Calibration
     from tandem.worker.bench.trace import read_trace, write_trace
@@ -221,10 +224,22 @@ def _simulate(args) -> int:
            "startup_s": args.startup, "results": {n: m for n, (m, _) in runs.items()},
            "decisions": {n: [d.to_dict() for d in f.decisions] for n, (_, f) in runs.items()}
            if args.decisions else None}
+    key = scenario or Path(args.trace or "trace").name
+    tab = {key: out["results"]}
+    text = R.format_table(tab)
+    if args.aims:
+        # issue 25's aims, judged as `tune` judges the scenarios: the cost aim against the reactive oracle
+        # at every setting of its grid, plain and held to the pool's behavior, and each miss checked
+        front = {key: [one("oracle-reactive", k)[0] for k in R.GRIDS["oracle-reactive"]]}
+        held = {key: [one(R.BEHAVED, k)[0] for k in R.GRIDS[R.BEHAVED]]}
+        rows = R.aims(tab, R.yardsticks(front, held))
+        verdicts = R.reach(tab, front, held)
+        out["aims"] = [{**r, "verdict": verdicts.get((r["scenario"], r["aim"]))} for r in rows]
+        text += "\n\n" + R.format_aims(rows) + "\n\n" + format_reach(rows, verdicts)
     if args.json:
         print(json.dumps(out, indent=2, default=float))
     else:
-        print(R.format_table({scenario or Path(args.trace or "trace").name: out["results"]}))
+        print(text)
     if args.plot:
         _plot(runs, targets, args.plot, f"{scenario or args.trace}: replicas and p90 latency")
     return 0
@@ -285,6 +300,10 @@ def add_simulate_command(sub) -> None:
     s.add_argument("--tick", type=float, default=15.0, help="the policy's period (s)")
     s.add_argument("--json", action="store_true", help="print the results as JSON")
     s.add_argument("--decisions", action="store_true", help="--json: include every decision")
+    s.add_argument("--aims", action="store_true",
+                   help="also judge issue 25's aims: tandem against each peer, and its GPU-hours against the "
+                        "reactive oracle at every setting (plain and held to the pool's behavior), with each "
+                        "miss checked for whether a reactive policy reaches it (12 more runs)")
     s.add_argument("--plot", help="write replicas and p90 latency over time to this PNG")
     s.add_argument("--tuned", help="the baselines' tuned knobs (JSON): read when the file exists, else tuned "
                                    "(on the trace's first half, or a scenario's seed 1) and written there")
