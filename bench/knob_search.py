@@ -48,8 +48,7 @@ def _score(knobs: dict) -> tuple:
     tab = {n: dict(b["tab"][n]) for n in b["tab"]}
     for n, sc in b["scenarios"].items():
         tab[n]["tandem"] = R.run_one("tandem", sc, b["perf"], b["cal"], knobs)[0]
-    rows = R.aims(tab, R.yardsticks(b["front"], b["held"]))
-    verdicts = R.reach(tab, b["front"], b["held"])
+    rows, verdicts = R.judge(tab, b["front"], b["held"])
     missed = [(r["scenario"], r["aim"]) for r in rows if not r["ok"]]
     own = [k for k in missed if verdicts.get(k) and R.is_own(verdicts[k])]
     gpu_h = round(sum(tab[n]["tandem"]["gpu_hours"] for n in b["scenarios"]), 2)

@@ -23,7 +23,6 @@ from tandem.operator.autoscaler.capacity import PerfModel
 from tandem.operator.simulate import run as R
 from tandem.operator.simulate import scenarios as S
 from tandem.operator.simulate.baselines import Oracle
-from tandem.operator.simulate.tune import format_reach
 from tandem.operator.spec import load_manifest
 from tandem.worker.api.calibration import Calibration
 from tandem.worker.bench.trace_import import fit_lengths, import_trace
@@ -132,11 +131,7 @@ def main() -> None:
     front, held = {}, {}
     for (p, _, h), m in zip(fjobs, fres):
         (front if p == judges[0] else held).setdefault(f"{h} half", []).append(m)
-    rows = R.aims(tab, R.yardsticks(front, held))
-    print(R.format_table(tab) + "\n\n" + R.format_aims(rows)
-          + "\n\nThe reactive oracle at every setting:\n\n" + R.format_frontier(front)
-          + "\n\nThe same, held to the pool's scaling behavior:\n\n" + R.format_frontier(held)
-          + "\n\n" + format_reach(rows, R.reach(tab, front, held)))
+    print(R.format_judgement(tab, front, held))
     print(f"\n({time.time() - t0:.0f} s wall)")
 
 

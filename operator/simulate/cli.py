@@ -121,7 +121,7 @@ def _simulate(args) -> int:
     from tandem.operator.autoscaler.policy import gpus_per_replica
     from tandem.operator.simulate import run as R
     from tandem.operator.simulate import scenarios as S
-    from tandem.operator.simulate.tune import DEFAULT_CALIBRATION, format_reach, tuned_key
+    from tandem.operator.simulate.tune import DEFAULT_CALIBRATION, tuned_key
     from tandem.operator.spec import SpecError, load_manifest
     from tandem.worker.api.calibration import Calibration
     from tandem.worker.bench.trace import read_trace, write_trace
@@ -232,10 +232,9 @@ def _simulate(args) -> int:
         # at every setting of its grid, plain and held to the pool's behavior, and each miss checked
         front = {key: [one("oracle-reactive", k)[0] for k in R.GRIDS["oracle-reactive"]]}
         held = {key: [one(R.BEHAVED, k)[0] for k in R.GRIDS[R.BEHAVED]]}
-        rows = R.aims(tab, R.yardsticks(front, held))
-        verdicts = R.reach(tab, front, held)
+        rows, verdicts = R.judge(tab, front, held)
         out["aims"] = [{**r, "verdict": verdicts.get((r["scenario"], r["aim"]))} for r in rows]
-        text += "\n\n" + R.format_aims(rows) + "\n\n" + format_reach(rows, verdicts)
+        text += "\n\n" + R.format_aims(rows) + "\n\n" + R.format_reach(rows, verdicts)
     if args.json:
         print(json.dumps(out, indent=2, default=float))
     else:

@@ -513,6 +513,31 @@ def format_frontier(frontier: dict) -> str:
     return "\n".join(lines)
 
 
+def judge(tab: dict, frontier: dict, behaved: Optional[dict] = None) -> tuple[list[dict], dict]:
+    """(rows, verdicts): :func:`aims` with the cost aim against :func:`yardsticks` of both frontiers, and
+    :func:`reach`'s verdict on each miss (``frontier``: the reactive oracle's settings per scenario,
+    ``behaved``: the same held to the pool's behavior). What ``tune``, ``tandem simulate --aims`` and
+    bench/trace_table.py print."""
+    return aims(tab, yardsticks(frontier, behaved)), reach(tab, frontier, behaved)
+
+
+def format_reach(rows: list[dict], verdicts: dict) -> str:
+    """The missed aims with :func:`reach`'s verdict on each."""
+    lines = ["| scenario | missed aim | can a reactive policy reach it? |", "|---|---|---|"]
+    lines += [f"| {r['scenario']} | {r['aim']} | {verdicts[(r['scenario'], r['aim'])]} |"
+              for r in rows if not r["ok"] and (r["scenario"], r["aim"]) in verdicts]
+    return "\n".join(lines)
+
+
+def format_judgement(tab: dict, frontier: dict, behaved: dict, where: str = "") -> str:
+    """The table, the aims (:func:`judge`), both frontiers and the verdicts on the misses, in Markdown;
+    ``where`` follows the frontiers' headings (e.g. " (seed 0)")."""
+    rows, verdicts = judge(tab, frontier, behaved)
+    return (format_table(tab) + "\n\n" + format_aims(rows) + f"\n\nThe reactive oracle at every setting{where}:\n\n"
+            + format_frontier(frontier) + f"\n\nThe same, held to the pool's scaling behavior{where}:\n\n"
+            + format_frontier(behaved) + "\n\n" + format_reach(rows, verdicts))
+
+
 def format_aims(rows: list[dict]) -> str:
     lines = ["| scenario | aim | met | detail |", "|---|---|---|---|"]
     lines += [f"| {r['scenario']} | {r['aim']} | {'yes' if r['ok'] else '**no**'} | {r['detail']} |" for r in rows]

@@ -123,14 +123,6 @@ def frontier_all(cal_path, jobs: int = 2, policy: str = "oracle-reactive") -> di
     return _seed0_all(cal_path, None, jobs, frontier=policy)
 
 
-def format_reach(rows: list[dict], verdicts: dict) -> str:
-    """The missed aims with :func:`run.reach`'s verdict on each."""
-    lines = ["| scenario | missed aim | can a reactive policy reach it? |", "|---|---|---|"]
-    lines += [f"| {r['scenario']} | {r['aim']} | {verdicts[(r['scenario'], r['aim'])]} |"
-              for r in rows if not r["ok"] and (r["scenario"], r["aim"]) in verdicts]
-    return "\n".join(lines)
-
-
 def _at_least_one(text: str) -> int:
     n = int(text)
     if n < 1:
@@ -183,10 +175,7 @@ def main(argv=None) -> int:
     tab = table_all(args.calibration, tuned, args.jobs)
     front = frontier_all(args.calibration, args.jobs)
     held = frontier_all(args.calibration, args.jobs, R.BEHAVED)
-    rows = R.aims(tab, R.yardsticks(front, held))
-    text = (R.format_table(tab) + "\n\n" + R.format_aims(rows) + "\n\nThe reactive oracle at every setting (seed 0):\n\n"
-            + R.format_frontier(front) + "\n\nThe same, held to the pool's scaling behavior (seed 0):\n\n"
-            + R.format_frontier(held) + "\n\n" + format_reach(rows, R.reach(tab, front, held)))
+    text = R.format_judgement(tab, front, held, " (seed 0)")
     print(text)
     if args.markdown:
         Path(args.markdown).write_text(text + "\n")

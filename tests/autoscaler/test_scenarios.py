@@ -14,7 +14,7 @@ import pytest
 from tandem.operator.autoscaler.capacity import PerfModel
 from tandem.operator.simulate import run as R
 from tandem.operator.simulate import scenarios as S
-from tandem.operator.simulate.tune import DEFAULT_CALIBRATION, format_reach, frontier_all, table_all
+from tandem.operator.simulate.tune import DEFAULT_CALIBRATION, frontier_all, table_all
 from tandem.worker.api.calibration import Calibration
 
 # the table fixture runs Dynamo's planner with auto-ARIMA (45 fits a run): about 2 minutes on an idle 2-core
@@ -156,10 +156,9 @@ def test_known_misses_are_out_of_reach_of_a_reactive_policy(table, front, held):
     setting meets the aim, or none meets it without missing a core aim, or only the plain one does, the
     miss belongs to the start-up time, the yardsticks or the pool's behavior; where one held to the
     behavior does, it is tandem's own and must be listed in TANDEM_OWN."""
-    verdicts = R.reach(table, front, held)
-    rows = R.aims(table, R.yardsticks(front, held))
+    rows, verdicts = R.judge(table, front, held)
     print("\n" + R.format_frontier(front) + "\n\n" + R.format_frontier(held) + "\n\n"
-          + format_reach(rows, verdicts))
+          + R.format_reach(rows, verdicts))
     judged = {k: v for k, v in verdicts.items() if k in KNOWN_MISSES}
     assert judged, "no known miss was judged"
     own = {k for k, v in judged.items() if R.is_own(v)}
@@ -276,8 +275,9 @@ def test_cli_judges_the_aims_as_the_table_does():
     assert set(missed) == {k for k in KNOWN_MISSES if k[0] == "output-shift"}, missed
     for k, verdict in missed.items():
         # KNOWN_MISSES words "out of reach" as "no setting of the reactive oracle meets it"
-        said = "no setting" if verdict == "out of reach" else verdict.split(":")[0]
-        assert verdict is None or said in KNOWN_MISSES[k], (k, verdict)
+        said = ("not judged" if verdict is None else "no setting" if verdict == "out of reach"
+                else verdict.split(":")[0])
+        assert said in KNOWN_MISSES[k], (k, verdict)
     cost = [a for a in rows if a["aim"] == R.COST_AIM]
     assert len(cost) == 1 and cost[0]["ok"] and "reactive oracle" in cost[0]["detail"]
 
