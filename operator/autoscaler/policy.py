@@ -225,6 +225,18 @@ class Autoscaler:
             95.0% at seed 0, at 1-2% fewer GPU-hours; the price is the H200 step, diurnal and bursts at
             +6-12% GPU-hours (the guard's M/G/c curve is steeper than a batching H200 replica's), and
             the CPU scenarios at seed 1 -0.6% in all (bench/RESULTS.md, seventeenth session).
+        decode_probe_min_slots: decode's probe raises the factor only where a replica batches at least this
+            many sequences at the SLO (:meth:`PerfModel.decode_slots` at the window's context; 0 turns the
+            gate off). Below it the p90 TPOT reads no margin: a lone sequence's step is 0.67x the target
+            (the SLO rule's 1.5x), a batch of two is past it, so the p90 sits at the batch-1 step until
+            a tenth of the sequences share a replica and then jumps over the target, and "p90 under 0.75x
+            the target", the probe's evidence of spare capacity, holds at every load short of that cliff.
+            On the CPU calibration (1.6 slots) the factor climbed to 1.32 at steady load (output-shift,
+            seed 4), where ``bench/decode_capacity_by_size.py`` measures 1.1, and decode ran the
+            headroom away. With the gate, tandem met both SLOs in 20 of the 25 held-out scenario-seeds
+            (seeds 5-9; 11 without) at +3.0% GPU-hours, the five left all prompt-shift; seed 1 +2.8%
+            at the same attainments; the H200 calibration (10-22 slots) and the traces are unchanged
+            (bench/RESULTS.md, twenty-ninth session; ``bench/seeds_table.py``).
         probe_memory_s: after an overload lowered the capacity factor, it is not raised past the lowered
             value again for this long (seconds; 0 turns it off): the factor's upward probe (``_learn``)
             lets the count fall until latency breaks, and at steady load repeating it repeats the miss
@@ -255,6 +267,7 @@ class Autoscaler:
                  absorb_within_slack: bool = True, recurring: bool = True, recurring_windows: float = 1.0,
                  burst_quantile: float = 0.75, burst_lookback_s: float = 1800.0, probe_memory_s: float = 1800.0,
                  decode_room: float = 0.9, decode_room_breaches: int = 2, decode_room_memory_s: float = 3600.0,
+                 decode_probe_min_slots: float = 2.0,
                  probe_guard: float = 1.0, step_fit: float = 1.5):
         self.spec = spec
         self.perf = PerfModel.of(calibration)
@@ -276,6 +289,7 @@ class Autoscaler:
         self.decode_room = float(decode_room)
         self.decode_room_breaches = int(decode_room_breaches)
         self.decode_room_memory_s = float(decode_room_memory_s)
+        self.decode_probe_min_slots = float(decode_probe_min_slots)
         self.probe_memory_s = float(probe_memory_s)
         self.probe_guard = float(probe_guard)
         if step_fit < 0:
@@ -370,7 +384,8 @@ class Autoscaler:
             rise = 1.0
         need = urgent = None
         if model is not None:
-            self._learn(role, snap, model(demand), model(demand * 1.25), inputs.get("service_s"))
+            self._learn(role, snap, model(demand), model(demand * 1.25), inputs.get("service_s"),
+                        inputs.get("slots_per_replica"))
             # up on the window's own demand (or its trend), down only as far as the smoothed level
             # allows: one noisy window can add a replica but not take one away
             catch = self._catch_up(role, rs, demand, inputs)
@@ -554,7 +569,7 @@ class Autoscaler:
         return catch
 
     def _learn(self, role: str, snap: PoolSnapshot, planned: int, tight: int,
-               service_s: Optional[float] = None) -> None:
+               service_s: Optional[float] = None, slots: Optional[float] = None) -> None:
         """Correct the capacity factor from a steady window (replicas all ready, none draining, traffic
         flowing, a latency measured) in which the model's view can be checked: above the band while the
         model said the ready replicas suffice (``planned`` <= ready), capacity was overrated (-10%); well
@@ -566,7 +581,9 @@ class Autoscaler:
         a steady 7 replicas, past the 1.2 that ``bench/capacity_by_size.py --role prefill`` measures,
         and every rule found that stops it sooner costs the H200 calibration, whose right factor is
         2.0-2.3 (docs/autoscaler.md, "Prefill's factor is a different error on each calibration"). Low
-        latency at low load says nothing about capacity, so it teaches nothing."""
+        latency at low load says nothing about capacity, so it teaches nothing; nor does decode's p90 where
+        a replica holds fewer than ``decode_probe_min_slots`` sequences at the SLO (``slots``: the
+        model's, for decode; None for prefill), because it sits at the batch-1 step until the cliff."""
         rs, st, lim = snap.role(role), self.state[role], self.limits[role]
         lat = rs.latency
         known = lat is not None and not math.isnan(lat)
@@ -587,6 +604,8 @@ class Autoscaler:
             st.ceiling = (snap.at, st.correction)
             st.correction = max(0.3, st.correction * 0.9)
         elif ratio < 0.75 and tight > rs.ready:
+            if slots is not None and slots < self.decode_probe_min_slots:
+                return   # decode's p90 sits at the batch-1 floor until its cliff: no margin to read
             if self.probe_guard > 0 and service_s and not self._one_fewer_holds(rs.ready, lat, service_s,
                                                                               self.probe_guard * lim.target):
                 return   # the probe's next step would take away a replica the measured load still needs
