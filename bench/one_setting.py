@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 from tandem.operator.simulate import run as R
 from tandem.operator.simulate.tune import DEFAULT_CALIBRATION, frontier_all, table_all, tuned_key
@@ -34,6 +35,8 @@ def main() -> int:
     ap.add_argument("--calibration", default=str(DEFAULT_CALIBRATION))
     ap.add_argument("--jobs", type=int, default=2)
     args = ap.parse_args()
+    if not Path(args.calibration).is_file():
+        ap.error(f"--calibration {args.calibration}: no such file")
     t0 = time.time()
     tab = table_all(args.calibration, R.load_tuned(tuned_key(args.calibration)), jobs=args.jobs)
     front = frontier_all(args.calibration, jobs=args.jobs)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 from concurrent.futures import ProcessPoolExecutor
 
 from tandem.operator.autoscaler.capacity import PerfModel
@@ -73,6 +74,8 @@ def main() -> int:
         ap.error(f"--seeds: comma-separated integers, not {args.seeds!r}")
     if not seeds:
         ap.error("--seeds: give at least one seed")
+    if not Path(args.calibration).is_file():
+        ap.error(f"--calibration {args.calibration}: no such file")
     if 1 in seeds:
         print("note: seed 1 is the tuning seed; its figures are not an evaluation", file=sys.stderr)
     t0 = time.time()
