@@ -66,14 +66,16 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calibration", default=str(DEFAULT_CALIBRATION))
     ap.add_argument("--seeds", default="5,6,7,8,9", help="comma-separated seeds (default: the held-out 5-9)")
-    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--jobs", type=int, default=2, help="processes (default 2)")
     args = ap.parse_args()
     try:
-        seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
+        seeds = list(dict.fromkeys(int(x) for x in args.seeds.split(",") if x.strip()))
     except ValueError:
         ap.error(f"--seeds: comma-separated integers, not {args.seeds!r}")
     if not seeds:
         ap.error("--seeds: give at least one seed")
+    if args.jobs < 1:
+        ap.error(f"--jobs: must be >= 1 (got {args.jobs})")
     if not Path(args.calibration).is_file():
         ap.error(f"--calibration {args.calibration}: no such file")
     if 1 in seeds:

@@ -235,7 +235,7 @@ class Autoscaler:
             seed 4), where ``bench/decode_capacity_by_size.py`` measures 1.1, and decode ran the
             headroom away. With the gate, tandem met both SLOs in 20 of the 25 held-out scenario-seeds
             (seeds 5-9; 11 without) at +3.0% GPU-hours, the five left all prompt-shift; seed 1 +2.8%
-            at the same attainments; the H200 calibration (10-22 slots) and the traces are unchanged
+            with the SLOs met on the same scenarios; the H200 calibration (10-22 slots) and the traces are unchanged
             (bench/RESULTS.md, twenty-ninth session; ``bench/seeds_table.py``).
         probe_memory_s: after an overload lowered the capacity factor, it is not raised past the lowered
             value again for this long (seconds; 0 turns it off): the factor's upward probe (``_learn``)

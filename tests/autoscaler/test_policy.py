@@ -732,8 +732,8 @@ def test_decode_probe_reads_no_margin_where_a_replica_holds_one_sequence_at_the_
     0.75x the target with the count tight. Where a batch of two misses the target (the scenarios' CPU
     calibration: 1.6 slots at the SLO rule's 1.5x a lone sequence's step), the p90 sits at the batch-1
     step, 0.67x the target, at every load short of the cliff, so that held at any factor: it climbed to
-    1.32 at steady load and decode ran its headroom away (TPOT attainment under 95% in 9 of 25 held-out
-    scenario-seeds). The probe now needs two slots; where a replica batches several sequences under the
+    1.32 at steady load and decode ran its headroom away (TPOT attainment under 95% in 14 of 25 held-out
+    scenario-seeds, 9 of them outside prompt-shift). The probe now needs two slots; where a replica batches several sequences under the
     target (the shipped CPU calibration: 2-5) the same windows still raise it."""
     def factor(cal, **kw):
         perf = PerfModel.of(cal)
