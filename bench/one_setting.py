@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from tandem.operator.simulate import run as R
-from tandem.operator.simulate.tune import DEFAULT_CALIBRATION, frontier_all, table_all, tuned_key
+from tandem.operator.simulate.tune import DEFAULT_CALIBRATION, at_least_one, frontier_all, table_all, tuned_key
 
 
 def count(tab: dict, ys: dict) -> tuple[int, list[str], float]:
@@ -33,10 +33,8 @@ def count(tab: dict, ys: dict) -> tuple[int, list[str], float]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calibration", default=str(DEFAULT_CALIBRATION))
-    ap.add_argument("--jobs", type=int, default=2, help="processes (default 2)")
+    ap.add_argument("--jobs", type=at_least_one, default=2, help="processes (default 2)")
     args = ap.parse_args()
-    if args.jobs < 1:
-        ap.error(f"--jobs: must be >= 1 (got {args.jobs})")
     if not Path(args.calibration).is_file():
         ap.error(f"--calibration {args.calibration}: no such file")
     t0 = time.time()

@@ -29,6 +29,7 @@ import trace_table as T  # noqa: E402  (bench/ is not a package)
 from tandem.operator.autoscaler.capacity import PerfModel  # noqa: E402
 from tandem.operator.simulate import run as R  # noqa: E402
 from tandem.operator.simulate import scenarios as S  # noqa: E402
+from tandem.operator.simulate.tune import at_least_one  # noqa: E402
 from tandem.worker.api.calibration import Calibration  # noqa: E402
 
 
@@ -54,10 +55,8 @@ def main() -> None:
     ap.add_argument("--trace", help="an Azure or Mooncake trace file; both halves are run")
     ap.add_argument("--format", default="azure")
     ap.add_argument("--scale", type=int, default=1)
-    ap.add_argument("--jobs", type=int, default=2, help="processes (default 2)")
+    ap.add_argument("--jobs", type=at_least_one, default=2, help="processes (default 2)")
     args = ap.parse_args()
-    if args.jobs < 1:
-        ap.error(f"--jobs: must be >= 1 (got {args.jobs})")
     try:
         variants = [{}] + [json.loads(v) for v in args.variants]
     except json.JSONDecodeError as e:

@@ -19,20 +19,9 @@ import argparse
 import sys
 import time
 from pathlib import Path
-from concurrent.futures import ProcessPoolExecutor
 
-from tandem.operator.autoscaler.capacity import PerfModel
 from tandem.operator.simulate import run as R
-from tandem.operator.simulate import scenarios as S
-from tandem.operator.simulate.tune import DEFAULT_CALIBRATION, tuned_key
-from tandem.worker.api.calibration import Calibration
-
-
-def _one(job):
-    cal_path, name, seed = job
-    cal = Calibration.load(cal_path)
-    perf = PerfModel.of(cal)
-    return R.table(perf, cal, R.load_tuned(tuned_key(cal_path)), seed=seed, names=[name])[name]
+from tandem.operator.simulate.tune import DEFAULT_CALIBRATION, at_least_one, table_by_seed, tuned_key
 
 
 def summarize(results: list[tuple[str, int, dict]]) -> dict:
@@ -66,7 +55,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calibration", default=str(DEFAULT_CALIBRATION))
     ap.add_argument("--seeds", default="5,6,7,8,9", help="comma-separated seeds (default: the held-out 5-9)")
-    ap.add_argument("--jobs", type=int, default=2, help="processes (default 2)")
+    ap.add_argument("--jobs", type=at_least_one, default=2, help="processes (default 2)")
     args = ap.parse_args()
     try:
         seeds = list(dict.fromkeys(int(x) for x in args.seeds.split(",") if x.strip()))
@@ -74,17 +63,14 @@ def main() -> int:
         ap.error(f"--seeds: comma-separated integers, not {args.seeds!r}")
     if not seeds:
         ap.error("--seeds: give at least one seed")
-    if args.jobs < 1:
-        ap.error(f"--jobs: must be >= 1 (got {args.jobs})")
     if not Path(args.calibration).is_file():
         ap.error(f"--calibration {args.calibration}: no such file")
     if 1 in seeds:
         print("note: seed 1 is the tuning seed; its figures are not an evaluation", file=sys.stderr)
     t0 = time.time()
-    jobs = [(args.calibration, n, s) for s in seeds for n in S.NAMES]
-    with ProcessPoolExecutor(args.jobs) as ex:
-        results = [(j[1], j[2], pols) for j, pols in zip(jobs, ex.map(_one, jobs))]
-    print(f"calibration {args.calibration}, seeds {', '.join(map(str, seeds))}: {len(jobs)} scenario-seeds\n")
+    tabs = table_by_seed(args.calibration, R.load_tuned(tuned_key(args.calibration)), seeds, args.jobs)
+    results = [(n, s, pols) for s, tab in tabs.items() for n, pols in tab.items()]
+    print(f"calibration {args.calibration}, seeds {', '.join(map(str, seeds))}: {len(results)} scenario-seeds\n")
     print(format_summary(summarize(results)))
     print(f"\n({time.time() - t0:.0f} s wall)")
     return 0

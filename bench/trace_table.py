@@ -23,6 +23,7 @@ from tandem.operator.autoscaler.capacity import PerfModel
 from tandem.operator.simulate import run as R
 from tandem.operator.simulate import scenarios as S
 from tandem.operator.simulate.baselines import Oracle
+from tandem.operator.simulate.tune import at_least_one
 from tandem.operator.spec import load_manifest
 from tandem.worker.api.calibration import Calibration
 from tandem.worker.bench.trace_import import fit_lengths, import_trace
@@ -69,7 +70,7 @@ def main() -> None:
     ap.add_argument("--format", required=True)
     ap.add_argument("--scale", type=int, default=1)
     ap.add_argument("--calibration", required=True)
-    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--jobs", type=at_least_one, default=2, help="processes (default 2)")
     ap.add_argument("--tuned-out", default=None, help="write the tuned knobs here (JSON)")
     ap.add_argument("--fit-medians", default=None, metavar="PROMPT,OUTPUT",
                     help="scale the trace's lengths to these median token counts, prompts clipped to the "
@@ -80,8 +81,9 @@ def main() -> None:
     if args.fit_medians:
         try:
             medians = tuple(float(x) for x in args.fit_medians.split(","))
-            assert len(medians) == 2
-        except (ValueError, AssertionError):
+        except ValueError:
+            medians = ()
+        if len(medians) != 2:
             ap.error(f"--fit-medians: PROMPT,OUTPUT token counts (got {args.fit_medians!r})")
     init = (args.format, args.file, args.scale, args.calibration, medians)
     _setup(*init)

@@ -42,21 +42,24 @@ def _tune_one(args) -> tuple[str, dict]:
     return name, {p: R.tune(p, sc, perf, cal) for p in policies}
 
 
-def _seed0_one(args) -> dict:
-    """One scenario of :func:`table_all` (``tuned`` given) or of :func:`frontier_all` (``frontier``: the
-    yardstick's policy name)."""
-    cal_path, name, tuned, frontier = args
+def _scenario_one(args) -> dict:
+    """One scenario at one seed of :func:`table_all` (``tuned`` given) or of :func:`frontier_all`
+    (``frontier``: the yardstick's policy name)."""
+    cal_path, name, seed, tuned, frontier = args
     cal = Calibration.load(cal_path)
     if frontier is not None:
-        return R.reactive_frontier(PerfModel.of(cal), cal, 0, [name], policy=frontier)
-    return R.table(PerfModel.of(cal), cal, tuned, 0, [name])
+        return R.reactive_frontier(PerfModel.of(cal), cal, seed, [name], policy=frontier)
+    return R.table(PerfModel.of(cal), cal, tuned, seed, [name])
 
 
-def _seed0_all(cal_path, tuned, jobs: int, frontier=None) -> dict:
-    out = {}
+def _by_seed(cal_path, tuned, jobs: int, seeds=(0,), frontier=None) -> dict:
+    """{seed: {scenario: ...}}, every (seed, scenario) pair spread over ``jobs`` processes."""
+    pairs = [(s, n) for s in seeds for n in S.NAMES]
+    out: dict = {s: {} for s in seeds}
     with ProcessPoolExecutor(jobs) as ex:
-        for d in ex.map(_seed0_one, [(str(cal_path), n, tuned, frontier) for n in S.NAMES]):
-            out.update(d)
+        for (s, _), d in zip(pairs, ex.map(_scenario_one, [(str(cal_path), n, s, tuned, frontier)
+                                                           for s, n in pairs])):
+            out[s].update(d)
     return out
 
 
@@ -114,16 +117,22 @@ def tune_all(cal_path, jobs: int = 2, policies=None) -> dict:
 
 def table_all(cal_path, tuned: dict, jobs: int = 2) -> dict:
     """{scenario: {policy: metrics}} on seed 0 with the tuned knobs."""
-    return _seed0_all(cal_path, tuned, jobs)
+    return _by_seed(cal_path, tuned, jobs)[0]
+
+
+def table_by_seed(cal_path, tuned: dict, seeds, jobs: int = 2) -> dict:
+    """{seed: {scenario: {policy: metrics}}}: :func:`table_all` on each of ``seeds``."""
+    return _by_seed(cal_path, tuned, jobs, tuple(seeds))
 
 
 def frontier_all(cal_path, jobs: int = 2, policy: str = "oracle-reactive") -> dict:
     """{scenario: [metrics]}: :func:`run.reactive_frontier` on seed 0 (of ``policy``: the reactive oracle,
     or :data:`run.BEHAVED`), scenarios spread over ``jobs``."""
-    return _seed0_all(cal_path, None, jobs, frontier=policy)
+    return _by_seed(cal_path, None, jobs, frontier=policy)[0]
 
 
-def _at_least_one(text: str) -> int:
+def at_least_one(text: str) -> int:
+    """argparse type of a count that must be >= 1 (``--jobs``)."""
     n = int(text)
     if n < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1 (got {n})")
@@ -133,7 +142,7 @@ def _at_least_one(text: str) -> int:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tandem.operator.simulate.tune", description=__doc__)
     ap.add_argument("--calibration", default=str(DEFAULT_CALIBRATION))
-    ap.add_argument("--jobs", type=_at_least_one, default=2, help="processes (default 2)")
+    ap.add_argument("--jobs", type=at_least_one, default=2, help="processes (default 2)")
     ap.add_argument("--table-only", action="store_true",
                     help="use the committed knobs (tuned.json, or tuned-<stem>.json for another calibration)")
     ap.add_argument("--policies", help="tune only these baselines (comma-separated), keeping the others' "
