@@ -541,13 +541,15 @@ def decode_beside_prefill(pre_lat, waiting, **kw):
                          role("decode", 4, arrivals=2.0, latency=0.8 * TPOT))).decode
 
 
-def test_decode_counts_a_held_place_at_a_share_of_its_time_to_first_token():
+def test_decode_counts_a_held_place_at_a_share_of_its_prefill_service():
     """Fourteenth session: a request held through its prefill shifts the router's balance to the other
     decode replicas; it does not fill a slot for its whole time to first token. The hold is 0.4 of the
-    calibrated prefill service, or 0.25 of the observed p90 TTFT when a queue makes that longer (the old
-    1.0 and 0.5 sized decode 2.5 replicas over the reactive oracle on the diurnal scenario). Asserted on
-    one decision: the recorded hold, and a decode count between the sizing without a hold and the old
-    one, strictly below the old (so the check fails on the old shares)."""
+    calibrated prefill service (the old 1.0, with half the p90 TTFT under a queue, sized decode 2.5
+    replicas over the reactive oracle on the diurnal scenario). Thirtieth session: a queue's wait no
+    longer counts (``hold_ttft_share`` 0, was 0.25), since every replica's held places wait alike.
+    Asserted on one decision: the recorded hold, the same with and without a queue, and a decode count
+    between the sizing without a hold and the fourteenth session's, strictly below it under a queue (so
+    the check fails on that share)."""
     queued = 2 * TTFT   # a prefill queue: p90 TTFT well past the calibrated service of 380 tokens
 
     def decode_of(pre_lat, **kw):
@@ -557,21 +559,23 @@ def test_decode_counts_a_held_place_at_a_share_of_its_time_to_first_token():
     service = PerfModel.of(CAL).remote_prefill_seconds(380)
     for pre_lat in (0.5 * service, queued):
         d = decode_of(pre_lat)
-        want = max(0.4 * service, 0.25 * pre_lat) / 16
-        assert d.inputs["hold_s_per_token"] == pytest.approx(want, abs=1e-4), (pre_lat, d.inputs)
-    new, old = decode_of(queued).inputs["need"], decode_of(queued, hold_service_share=1.0, hold_ttft_share=0.5).inputs["need"]
+        assert d.inputs["hold_s_per_token"] == pytest.approx(0.4 * service / 16, abs=1e-4), (pre_lat, d.inputs)
+    new, fourteenth = decode_of(queued).inputs["need"], decode_of(queued, hold_ttft_share=0.25).inputs["need"]
+    old = decode_of(queued, hold_service_share=1.0, hold_ttft_share=0.5).inputs["need"]
     none = decode_of(queued, hold_first_token=False).inputs["need"]
-    assert none <= new < old, (none, new, old)
+    assert none <= new < fourteenth <= old, (none, new, fourteenth, old)
 
 
 def test_a_drained_backlog_holds_no_decode_places_for_its_past_waits():
-    """The p90 TTFT is of the last window; once prefill's queue has drained it still reads the backlog's
-    long waits. The decode hold counts at most what the queue predicts now (Autoscaler._queued_ttft):
-    with nothing waiting, the calibrated service share; with a queue, the p90 (twenty-third session:
-    prompt-shift's drained backlog kept decode's recommendation at 63-64 for a pool of 16)."""
+    """Where the queue's wait counts (``hold_ttft_share`` > 0): the p90 TTFT is of the last window; once
+    prefill's queue has drained it still reads the backlog's long waits. The decode hold counts at most
+    what the queue predicts now (Autoscaler._queued_ttft): with nothing waiting, the calibrated service
+    share; with a queue, the p90 (twenty-third session: prompt-shift's drained backlog kept decode's
+    recommendation at 63-64 for a pool of 16)."""
     service = PerfModel.of(CAL).remote_prefill_seconds(380)
     p90 = 10 * service
-    drained, backlog = decode_beside_prefill(p90, 0), decode_beside_prefill(p90, 60)
+    drained = decode_beside_prefill(p90, 0, hold_ttft_share=0.25)
+    backlog = decode_beside_prefill(p90, 60, hold_ttft_share=0.25)
     assert drained.inputs["hold_s_per_token"] == pytest.approx(0.4 * service / 16, abs=1e-4), drained.inputs
     assert backlog.inputs["hold_s_per_token"] == pytest.approx(0.25 * p90 / 16, abs=1e-4), backlog.inputs
     assert drained.inputs["need"] < backlog.inputs["need"], (drained.inputs, backlog.inputs)
