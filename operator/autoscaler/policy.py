@@ -172,11 +172,13 @@ class Autoscaler:
             seed 1 that kept every attainment the old pair met: -8.7% GPU-hours on seed 1, -7.9% on
             seed 0 (docs/autoscaler.md, "The decode hold's share"). The TTFT share is 0 since the
             thirtieth session: a queue's wait is shared by every decode replica's held places alike, so
-            it moves no balance, and once decode's probe stopped reading a margin at the cliff
-            (``decode_probe_min_slots``) the extra places it held only bought the replicas a prefill
-            backlog's flood had already ordered (the CPU step: 16 decode replicas for a level that
-            needs 12). -1.8% GPU-hours on seed 1 with every attainment kept, -1.5% on seeds 0, 2-4 and
-            15-19 with the same 33 of 45 scenario-seeds meeting both SLOs; the H200 (derived)
+            it moves no balance. What the longer hold did was order decode replicas during a prefill
+            backlog, ready only once the backlog's flood had passed (the CPU step at seed 0: 16 decode
+            replicas for a level that needs 12-14); the TPOT it once protected (fourteenth session)
+            was the headroom decode's probe took at the cliff, gated since (``decode_probe_min_slots``;
+            ungated, a TTFT share of 0 takes step's TPOT at seed 1 to 93.3%). -1.8% GPU-hours on seed
+            1 with every attainment kept, -1.5% on seeds 0, 2-4 and 15-19 with the same 33 of 45
+            scenario-seeds meeting both SLOs; the H200 (derived)
             calibration and the Azure code trace x10 within 0.1% (docs/autoscaler.md, "The decode
             hold without the queue's wait").
         absorb_within_slack: burst absorption only while a local prefill of the mean prompt fits in the
