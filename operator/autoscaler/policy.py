@@ -178,9 +178,8 @@ class Autoscaler:
             was the headroom decode's probe took at the cliff, gated since (``decode_probe_min_slots``;
             ungated, a TTFT share of 0 takes step's TPOT at seed 1 to 93.3%). -1.8% GPU-hours on seed
             1 with every attainment kept, -1.5% on seeds 0, 2-4 and 15-19 with the same 33 of 45
-            scenario-seeds meeting both SLOs; the H200 (derived)
-            calibration and the Azure code trace x10 within 0.1% (docs/autoscaler.md, "The decode
-            hold without the queue's wait").
+            scenario-seeds meeting both SLOs; the H200 (derived) calibration and the Azure code trace
+            x10 within 0.1% (docs/autoscaler.md, "The decode hold without the queue's wait").
         absorb_within_slack: burst absorption only while a local prefill of the mean prompt fits in the
             running sequences' TPOT slack over their output (target x (1 - tolerance) minus the observed
             p90 TPOT, times the mean output tokens): a local prefill stalls the decode batch it joins for
