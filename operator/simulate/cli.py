@@ -3,6 +3,7 @@
     tandem simulate --trace TRACE [--pool MANIFEST] --calibration FILE [--policy NAME|all] [--tuned K.json]
     tandem simulate --scenario step [--seed 0] [--write-trace T.jsonl] [--write-pool POOL.yaml] ...
     tandem simulate ... --aims   # and issue 25's aims, judged as `python -m tandem.operator.simulate.tune` does
+    tandem simulate ... --minutes   # and each run minute by minute (which minutes miss, on what replicas)
 
 The SLOs are the manifest's targets (prefill TTFT, decode TPOT); without --pool, a pool is made for the
 trace (scenarios.trace_scenario: 3x the single-request TTFT at the trace's p90 prompt, 1.5x the
@@ -28,24 +29,63 @@ import numpy as np
 SERVING_CALIBRATION = Path(__file__).resolve().parents[2] / "bench/calibrations/smollm2-cpu.yaml"
 
 
+def _minute_p90s(fleet) -> tuple[np.ndarray, np.ndarray]:
+    """(p90 TTFT, p90 TPOT) per simulated minute (s; NaN where a minute has none), as the attainment
+    counts them (run.summarize): TTFT by first-token time, TPOT by finish time."""
+    from tandem.operator.simulate.run import _windows
+    ft = np.array([r.first_token for r in fleet.requests])
+    tt = np.array([r.ttft for r in fleet.requests])
+    fin = np.array([r.finish for r in fleet.requests])
+    tp = np.array([r.tpot for r in fleet.requests])
+    ok, okp = ~np.isnan(ft), ~np.isnan(tp)
+    return _windows(ft[ok], tt[ok], fleet.duration), _windows(fin[okp], tp[okp], fleet.duration)
+
+
+def minute_table(fleet, targets: dict) -> list[dict]:
+    """One row per simulated minute of a run: {minute, arrivals, ttft_p90, tpot_p90 (s, None where the
+    minute has none), ttft_met, tpot_met, prefill, decode} where ``prefill`` and ``decode`` list the
+    replica counts (ready and starting, not draining) after each of the minute's ticks. What ``--minutes``
+    prints: which minutes miss the SLO, and what the policy ran in them."""
+    w1, w2 = _minute_p90s(fleet)
+    arrivals = np.bincount(np.minimum((np.array([r.arrival for r in fleet.requests]) // 60).astype(int),
+                                      len(w1) - 1), minlength=len(w1))
+    rows = []
+    for m in range(len(w1)):
+        ticks = [x for x in fleet.timeline if m * 60 <= x["t"] < (m + 1) * 60]
+        p1 = None if np.isnan(w1[m]) else float(w1[m])
+        p2 = None if np.isnan(w2[m]) else float(w2[m])
+        rows.append({"minute": m, "arrivals": int(arrivals[m]), "ttft_p90": p1, "tpot_p90": p2,
+                     "ttft_met": p1 is None or p1 <= targets["prefill"] + 1e-12,
+                     "tpot_met": p2 is None or p2 <= targets["decode"] + 1e-12,
+                     "prefill": [x["prefill"] for x in ticks], "decode": [x["decode"] for x in ticks]})
+    return rows
+
+
+def format_minutes(name: str, rows: list[dict], targets: dict) -> str:
+    """``minute_table``'s rows as Markdown: the p90s as multiples of their targets, a miss marked *."""
+    def ratio(v, target, met):
+        return "-" if v is None else f"{v / target:.2f}{'' if met else '*'}"
+    lines = [f"{name}: p90 per minute over its target (* misses), replicas after each tick",
+             "", "| minute | arrivals | TTFT | TPOT | prefill | decode |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['minute']} | {r['arrivals']} | {ratio(r['ttft_p90'], targets['prefill'], r['ttft_met'])} | "
+                     f"{ratio(r['tpot_p90'], targets['decode'], r['tpot_met'])} | "
+                     f"{'/'.join(map(str, r['prefill']))} | {'/'.join(map(str, r['decode']))} |")
+    return "\n".join(lines)
+
+
 def _plot(runs: dict, targets: dict, path: str, title: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from tandem.operator.simulate.run import _windows
     fig, axes = plt.subplots(4, 1, figsize=(11, 11), sharex=True)
     for name, (_, fleet) in runs.items():
         # from t=0 with the fleet it started with (the timeline begins at the first tick)
         t = np.array([0.0] + [x["t"] for x in fleet.timeline]) / 60
         for ax, role in zip(axes[:2], ("prefill", "decode")):
             ax.step(t, [fleet.initial[role]] + [x[role] for x in fleet.timeline], where="post", label=name)
-        ft = np.array([r.first_token for r in fleet.requests])
-        tt = np.array([r.ttft for r in fleet.requests])
-        fin = np.array([r.finish for r in fleet.requests])
-        tp = np.array([r.tpot for r in fleet.requests])
-        ok, okp = ~np.isnan(ft), ~np.isnan(tp)
-        w1, w2 = _windows(ft[ok], tt[ok], fleet.duration), _windows(fin[okp], tp[okp], fleet.duration)
+        w1, w2 = _minute_p90s(fleet)
         axes[2].plot(np.arange(w1.size) + 0.5, w1, marker=".", label=name)
         axes[3].plot(np.arange(w2.size) + 0.5, w2, marker=".", label=name)
     for ax, role in ((axes[2], "prefill"), (axes[3], "decode")):
@@ -235,6 +275,10 @@ def _simulate(args) -> int:
         rows, verdicts = R.judge(tab, front, held)
         out["aims"] = [{**r, "verdict": verdicts.get((r["scenario"], r["aim"]))} for r in rows]
         text += "\n\n" + R.format_aims(rows) + "\n\n" + R.format_reach(rows, verdicts)
+    if args.minutes:
+        minutes = {n: minute_table(f, targets) for n, (_, f) in runs.items()}
+        out["minutes"] = minutes
+        text += "".join("\n\n" + format_minutes(n, rows, targets) for n, rows in minutes.items())
     if args.json:
         print(json.dumps(out, indent=2, default=float))
     else:
@@ -304,6 +348,9 @@ def add_simulate_command(sub) -> None:
                         "reactive oracle at every setting (plain and held to the pool's behavior), with each "
                         "miss checked for whether a reactive policy reaches it (12 more runs)")
     s.add_argument("--plot", help="write replicas and p90 latency over time to this PNG")
+    s.add_argument("--minutes", action="store_true",
+                   help="also print each run minute by minute: arrivals, p90 TTFT and TPOT over their targets "
+                        "(misses marked), and the replica counts after each tick (with --json: under \"minutes\")")
     s.add_argument("--tuned", help="the baselines' tuned knobs (JSON): read when the file exists, else tuned "
                                    "(on the trace's first half, or a scenario's seed 1) and written there")
     s.set_defaults(func=_simulate)

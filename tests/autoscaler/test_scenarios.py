@@ -222,12 +222,22 @@ def test_cli(tmp_path):
     tandem = [sys.executable, "-m", "tandem.worker.cli"]
     r = subprocess.run(tandem + ["simulate", "--scenario", "output-shift", "--policy", "tandem", "--json",
                                  "--write-trace", str(tmp_path / "t.jsonl"), "--write-pool", str(tmp_path / "p.yaml"),
-                                 "--plot", str(tmp_path / "p.png")], capture_output=True, text=True, env=env,
-                       timeout=300)
+                                 "--plot", str(tmp_path / "p.png"), "--minutes"], capture_output=True, text=True,
+                       env=env, timeout=300)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["results"]["tandem"]["requests"] == out["trace"]["requests"] > 1000
     assert (tmp_path / "p.png").stat().st_size > 10000
+    # --minutes: one row a simulated minute, whose misses are the attainment's, every arrival counted,
+    # and the counts after each tick (four a minute at 15 s ticks from 30 s)
+    rows, res = out["minutes"]["tandem"], out["results"]["tandem"]
+    assert [r["minute"] for r in rows] == list(range(60))
+    for key in ("ttft", "tpot"):
+        judged = [r[f"{key}_met"] for r in rows if r[f"{key}_p90"] is not None]
+        assert sum(judged) / len(judged) == pytest.approx(res[f"attainment_{key}"], abs=1e-4), key
+    assert sum(r["arrivals"] for r in rows) == res["requests"]
+    assert [len(r["decode"]) for r in rows] == [2] + [4] * 59
+    assert max(max(r["decode"]) for r in rows) == res["decode"]["max_replicas"]
     # the same run from the written pool and trace gives the same figures
     r2 = subprocess.run(tandem + ["simulate", "--pool", str(tmp_path / "p.yaml"), "--trace", str(tmp_path / "t.jsonl"),
                                   "--policy", "tandem", "--json"], capture_output=True, text=True, env=env, timeout=300)
