@@ -36,6 +36,9 @@ CALIBRATION = ROOT / "bench" / "calibrations" / "smollm2-cpu.yaml"
 #: of one window), leave the policy within a few windows of the trickle, and the trickle's streams (which
 #: must outlast the drain) can be short
 WINDOW_S = 10.0
+#: decode's decision inputs printed for each decision before the drain (Autoscaler's ``inputs``)
+DRAIN_INPUTS = ("capacity_factor", "need", "demand", "level", "forecast", "rise", "hold_s_per_token",
+                "context_tokens", "slots_per_replica")
 
 
 def _fleet(overrides: dict, name: str) -> LocalFleet:
@@ -210,10 +213,13 @@ def test_decode_scales_up_under_load_then_drains_a_busy_worker(tmp_path):
         assert d["role"] == "decode" and d["at_drain"]["draining"] is True
         print(f"drained {d['name']} with {d['at_drain']['in_flight']} in flight at drain time, "
               f"{d['at'] - t_trickle:.0f} s into the trickle", flush=True)
-        downs = [(x["time"], x["decode"]["current"], x["decode"]["desired"], x["decode"]["reason"],
-                  {k: x["decode"]["inputs"].get(k) for k in ("capacity_factor", "need", "demand", "level", "forecast")})
-                 for x in list(loop.decisions)[-30:]]
-        assert d["at_drain"]["in_flight"] >= 1, (d["at"] - t_trickle, d, downs)   # its GET /drain then
+        # the decisions that led to the drain, printed whole (pytest cuts an assertion's message short):
+        # a drain after the trickle ended (run 68: 90 s in, the recommendation 2 until then) is read here
+        for x in list(loop.decisions)[-30:]:
+            print(f"{x['time']} decode {x['decode']['current']} -> {x['decode']['desired']}: "
+                  f"{x['decode']['reason']} {dict((k, x['decode']['inputs'].get(k)) for k in DRAIN_INPUTS)}",
+                  flush=True)
+        assert d["at_drain"]["in_flight"] >= 1, (d["at"] - t_trickle, d)   # its GET /drain then
         assert d["drained"] is True                  # what it had in flight finished before it was stopped
         assert [p.name for p in fleet.workers("decode")] != [] and \
             d["name"] not in [p.name for p in fleet.workers("decode")]
