@@ -30,15 +30,11 @@ SERVING_CALIBRATION = Path(__file__).resolve().parents[2] / "bench/calibrations/
 
 
 def _minute_p90s(fleet) -> tuple[np.ndarray, np.ndarray]:
-    """(p90 TTFT, p90 TPOT) per simulated minute (s; NaN where a minute has none), as the attainment
-    counts them (run.summarize): TTFT by first-token time, TPOT by finish time."""
-    from tandem.operator.simulate.run import _windows
-    ft = np.array([r.first_token for r in fleet.requests])
-    tt = np.array([r.ttft for r in fleet.requests])
-    fin = np.array([r.finish for r in fleet.requests])
-    tp = np.array([r.tpot for r in fleet.requests])
-    ok, okp = ~np.isnan(ft), ~np.isnan(tp)
-    return _windows(ft[ok], tt[ok], fleet.duration), _windows(fin[okp], tp[okp], fleet.duration)
+    """(p90 TTFT, p90 TPOT) per simulated minute of a run (run.minute_p90s, as the attainment counts them)."""
+    from tandem.operator.simulate.run import minute_p90s
+    reqs = fleet.requests
+    return minute_p90s(np.array([r.first_token for r in reqs]), np.array([r.ttft for r in reqs]),
+                       np.array([r.finish for r in reqs]), np.array([r.tpot for r in reqs]), fleet.duration)
 
 
 def minute_table(fleet, targets: dict) -> list[dict]:
@@ -49,9 +45,12 @@ def minute_table(fleet, targets: dict) -> list[dict]:
     w1, w2 = _minute_p90s(fleet)
     arrivals = np.bincount(np.minimum((np.array([r.arrival for r in fleet.requests]) // 60).astype(int),
                                       len(w1) - 1), minlength=len(w1))
+    by_minute: dict = {}
+    for x in fleet.timeline:
+        by_minute.setdefault(int(x["t"] // 60), []).append(x)
     rows = []
     for m in range(len(w1)):
-        ticks = [x for x in fleet.timeline if m * 60 <= x["t"] < (m + 1) * 60]
+        ticks = by_minute.get(m, [])
         p1 = None if np.isnan(w1[m]) else float(w1[m])
         p2 = None if np.isnan(w2[m]) else float(w2[m])
         rows.append({"minute": m, "arrivals": int(arrivals[m]), "ttft_p90": p1, "tpot_p90": p2,

@@ -153,6 +153,17 @@ def _direction_changes(deltas: list[tuple[float, int]]) -> list[float]:
     return out
 
 
+def minute_p90s(first_token: np.ndarray, ttft: np.ndarray, finish: np.ndarray, tpot: np.ndarray,
+                duration: float) -> tuple[np.ndarray, np.ndarray]:
+    """(p90 TTFT, p90 TPOT) per 60-s window of a run (s; NaN where a window has none), from per-request
+    arrays (s, NaN where a request has none): TTFT by first-token time, TPOT by finish time, what
+    completes after the last window counting in it. The attainment's minutes (:func:`summarize`) and
+    ``tandem simulate --minutes`` / ``--plot``."""
+    has_ft, has_tpot = ~np.isnan(first_token), ~np.isnan(tpot)
+    return (_windows(first_token[has_ft], ttft[has_ft], duration),
+            _windows(finish[has_tpot], tpot[has_tpot], duration))
+
+
 def summarize(fleet: Fleet, targets: dict, steady: list, duration: float) -> dict:
     """The run's metrics (see module docs)."""
     reqs = fleet.requests
@@ -163,9 +174,8 @@ def summarize(fleet: Fleet, targets: dict, steady: list, duration: float) -> dic
     done = ~np.isnan(fin)
     # the run's windows: what completes after the last one (the streams still running when the trace
     # ends) counts in it, not in a window of its own that holds a handful of requests
-    w_ttft = _windows(ft[~np.isnan(ft)], ttft[~np.isnan(ft)], duration)
+    w_ttft, w_tpot = minute_p90s(ft, ttft, fin, tpot, duration)
     has_tpot = ~np.isnan(tpot)
-    w_tpot = _windows(fin[has_tpot], tpot[has_tpot], duration)
     att_ttft = float(np.mean(w_ttft[~np.isnan(w_ttft)] <= targets["prefill"] + 1e-12))
     att_tpot = float(np.mean(w_tpot[~np.isnan(w_tpot)] <= targets["decode"] + 1e-12))
     ok = (ttft <= targets["prefill"]) & (np.isnan(tpot) | (tpot <= targets["decode"]))
