@@ -311,6 +311,7 @@ class Autoscaler:
         self.ratio = (pa.ratio.min, pa.ratio.max) if pa.ratio is not None else None
         self.budget = pa.gpuBudget
         self.state = {r: _RoleState() for r in ROLES}
+        self.sizes = {"prompt": 0.0, "output": 0.0}   # mean tokens per request, of the last window with arrivals
         self.last: Optional[Decision] = None
 
     # ------------------------------------------------------------------------------------------
@@ -516,8 +517,15 @@ class Autoscaler:
         generates at the SLO. Both scaled by the capacity factor learned online."""
         rs, st, lim = snap.role(role), self.state[role], self.limits[role]
         pre, dec = snap.prefill, snap.decode
-        prompt = pre.prompt_tokens_per_s / pre.arrivals_per_s if pre.arrivals_per_s > 0 else 0.0
-        output = dec.output_tokens_per_s / dec.arrivals_per_s if dec.arrivals_per_s > 0 else 0.0
+        # the requests' mean sizes come from the window's arrivals; a window with streams still running
+        # and none arriving keeps the last ones seen: read as 0, a decode replica's context was 0 and
+        # its slots at the SLO twice the running streams' (14.8 against about 7 on the shipped CPU
+        # calibration), and each held place weighed a whole prefill per output token
+        if pre.arrivals_per_s > 0:
+            self.sizes["prompt"] = pre.prompt_tokens_per_s / pre.arrivals_per_s
+        if dec.arrivals_per_s > 0:
+            self.sizes["output"] = dec.output_tokens_per_s / dec.arrivals_per_s
+        prompt, output = self.sizes["prompt"], self.sizes["output"]
         phi = st.correction * self.headroom
         if self.perf is None:
             # no model: the throughput each ready replica carries now, scaled by the latency headroom
