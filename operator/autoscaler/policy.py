@@ -519,8 +519,9 @@ class Autoscaler:
         pre, dec = snap.prefill, snap.decode
         # the requests' mean sizes come from the window's arrivals; a window with streams still running
         # and none arriving keeps the last ones seen: read as 0, a decode replica's context was 0 and
-        # its slots at the SLO twice the running streams' (14.8 against about 7 on the shipped CPU
-        # calibration), and each held place weighed a whole prefill per output token
+        # its slots at the SLO too many (the real-process fleet test, shipped CPU calibration: 13.7
+        # against the 9.9 of its requests' 75 tokens), and each held place weighed a whole prefill per
+        # output token
         if pre.arrivals_per_s > 0:
             self.sizes["prompt"] = pre.prompt_tokens_per_s / pre.arrivals_per_s
         if dec.arrivals_per_s > 0:

@@ -716,8 +716,8 @@ def test_the_capacity_probe_stops_where_one_replica_fewer_would_break_the_target
 def test_a_window_with_streams_running_and_none_arriving_keeps_the_last_request_sizes():
     """Thirtieth session's note, the real-process fleet test: a metrics window in which streams still ran
     and no request arrived read the mean prompt and output as 0, so decode sized a replica's slots at a
-    context of 0 (14.8 slots against about 7) and weighed each held place as a whole prefill per output
-    token. The sizes are now those of the last window with arrivals."""
+    context of 0 (13.7 slots where its 75-token requests allow 9.9) and weighed each held place as a
+    whole prefill per output token. The sizes are now those of the last window with arrivals."""
     a = Autoscaler(spec(), CAL)
     first = steady(a, 0, 0.3, 2, 2).decode.inputs
     assert first["context_tokens"] == pytest.approx(380 + 16 / 2)
