@@ -43,9 +43,9 @@ def probe_steps(cal, perf: PerfModel, name: str, seed: int) -> tuple[dict, list[
     rows: list[dict] = []
     learn = P.Autoscaler._learn
 
-    def recording(self, role, snap, planned, tight, service_s=None):
+    def recording(self, role, snap, *args):
         before = self.state[role].correction
-        learn(self, role, snap, planned, tight, service_s)
+        learn(self, role, snap, *args)
         if role != "decode" or self.state[role].correction <= before:
             return
         rs, lim = snap.decode, self.limits["decode"]
