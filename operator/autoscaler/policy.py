@@ -311,7 +311,6 @@ class Autoscaler:
         self.ratio = (pa.ratio.min, pa.ratio.max) if pa.ratio is not None else None
         self.budget = pa.gpuBudget
         self.state = {r: _RoleState() for r in ROLES}
-        self.sizes = {"prompt": 0.0, "output": 0.0}   # mean tokens per request, of the last window with arrivals
         self.last: Optional[Decision] = None
 
     # ------------------------------------------------------------------------------------------
@@ -319,16 +318,6 @@ class Autoscaler:
         """The decision for this tick. Deterministic given the sequence of snapshots."""
         at = snapshot.at
         wake = snapshot.router_queued > 0 and any(snapshot.role(r).replicas == 0 for r in ROLES)
-        # the requests' mean sizes come from the window's arrivals; a window with streams still running
-        # and none arriving keeps the last ones seen: read as 0, a decode replica's context was 0 and
-        # its slots at the SLO too many (the real-process fleet test, shipped CPU calibration: 13.7
-        # against the 9.9 of its requests' 75 tokens), and each held place weighed a whole prefill per
-        # output token
-        pre, dec = snapshot.prefill, snapshot.decode
-        if pre.arrivals_per_s > 0:
-            self.sizes["prompt"] = pre.prompt_tokens_per_s / pre.arrivals_per_s
-        if dec.arrivals_per_s > 0:
-            self.sizes["output"] = dec.output_tokens_per_s / dec.arrivals_per_s
         sized = {r: self._size(r, snapshot, wake) for r in ROLES}
         decisions = {}
         for r in ROLES:
@@ -524,11 +513,11 @@ class Autoscaler:
         prefill: demand in erlangs (arrivals/s x the calibrated service of the mean prompt), sized as one
         M/G/c queue (plus a catch-up load for its backlog, ``_catch_up``); decode: output
         tokens/s (plus the queued sequences' tokens over a start-up time), over the tokens/s one replica
-        generates at the SLO. Both scaled by the capacity factor learned online. The mean prompt and
-        output are ``self.sizes``, which ``decide`` keeps from the last window with arrivals."""
+        generates at the SLO. Both scaled by the capacity factor learned online."""
         rs, st, lim = snap.role(role), self.state[role], self.limits[role]
         pre, dec = snap.prefill, snap.decode
-        prompt, output = self.sizes["prompt"], self.sizes["output"]
+        prompt = pre.prompt_tokens_per_s / pre.arrivals_per_s if pre.arrivals_per_s > 0 else 0.0
+        output = dec.output_tokens_per_s / dec.arrivals_per_s if dec.arrivals_per_s > 0 else 0.0
         phi = st.correction * self.headroom
         if self.perf is None:
             # no model: the throughput each ready replica carries now, scaled by the latency headroom

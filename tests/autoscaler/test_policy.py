@@ -713,23 +713,6 @@ def test_the_capacity_probe_stops_where_one_replica_fewer_would_break_the_target
     assert factor(near, probe_guard=0) > 1.2    # the blind probe (before) climbed there too
 
 
-def test_a_window_with_streams_running_and_none_arriving_keeps_the_last_request_sizes():
-    """Thirtieth session's note, the real-process fleet test: a metrics window in which streams still ran
-    and no request arrived read the mean prompt and output as 0, so decode sized a replica's slots at a
-    context of 0 (13.7 slots where its 75-token requests allow 9.9) and weighed each held place as a
-    whole prefill per output token. The sizes are now those of the last window with arrivals."""
-    a = Autoscaler(spec(), CAL)
-    first = steady(a, 0, 0.3, 2, 2).decode.inputs
-    assert first["context_tokens"] == pytest.approx(380 + 16 / 2)
-    streams = 4
-    quiet = a.decide(snap(15, RoleSnapshot("prefill", "ok", 30.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.1, 1.2, 2),
-                          RoleSnapshot("decode", "ok", 30.0, 0.0, 0.0, streams / 0.06, streams, 0.0, 0.1,
-                                       0.06, 2))).decode.inputs
-    assert quiet["context_tokens"] == first["context_tokens"], quiet
-    assert quiet["slots_per_replica"] == first["slots_per_replica"]
-    assert quiet["hold_s_per_token"] == first["hold_s_per_token"]
-
-
 def test_hpa_behavior_arithmetic_shared_by_the_policy_and_the_held_oracle():
     """``behavior.stabilized`` and ``behavior.step_room`` (Kubernetes HPA's stabilization window and step
     limit, horizontal.go): up takes the lowest recommendation of the window, down the highest, neither
