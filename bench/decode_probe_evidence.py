@@ -45,9 +45,8 @@ def probe_steps(cal, perf: PerfModel, name: str, seed: int) -> tuple[dict, list[
 
     def recording(self, role, snap, *args):
         before = self.state[role].correction
-        learn(self, role, snap, *args)
-        if role != "decode" or self.state[role].correction <= before:
-            return
+        if learn(self, role, snap, *args) != "raised" or role != "decode":
+            return   # not a probe step: a fade of a lowered factor back towards 1 rises too
         rs, lim = snap.decode, self.limits["decode"]
         inputs = self._demand("decode", snap)[2]   # the context and the hold the policy sized with
         ctx = inputs["context_tokens"]

@@ -311,6 +311,7 @@ class Autoscaler:
         self.ratio = (pa.ratio.min, pa.ratio.max) if pa.ratio is not None else None
         self.budget = pa.gpuBudget
         self.state = {r: _RoleState() for r in ROLES}
+        self.sizes = {"prompt": 0.0, "output": 0.0}   # mean tokens per request, of the last window with arrivals
         self.last: Optional[Decision] = None
 
     # ------------------------------------------------------------------------------------------
@@ -318,6 +319,16 @@ class Autoscaler:
         """The decision for this tick. Deterministic given the sequence of snapshots."""
         at = snapshot.at
         wake = snapshot.router_queued > 0 and any(snapshot.role(r).replicas == 0 for r in ROLES)
+        # the requests' mean sizes come from the window's arrivals; a window with streams still running
+        # and none arriving keeps the last ones seen: read as 0, a decode replica's context was 0 and
+        # its slots at the SLO too many (the real-process fleet test, shipped CPU calibration: 13.7
+        # against the 9.9 of its requests' 75 tokens), and each held place weighed a whole prefill per
+        # output token
+        pre, dec = snapshot.prefill, snapshot.decode
+        if pre.arrivals_per_s > 0:
+            self.sizes["prompt"] = pre.prompt_tokens_per_s / pre.arrivals_per_s
+        if dec.arrivals_per_s > 0:
+            self.sizes["output"] = dec.output_tokens_per_s / dec.arrivals_per_s
         sized = {r: self._size(r, snapshot, wake) for r in ROLES}
         decisions = {}
         for r in ROLES:
@@ -513,11 +524,11 @@ class Autoscaler:
         prefill: demand in erlangs (arrivals/s x the calibrated service of the mean prompt), sized as one
         M/G/c queue (plus a catch-up load for its backlog, ``_catch_up``); decode: output
         tokens/s (plus the queued sequences' tokens over a start-up time), over the tokens/s one replica
-        generates at the SLO. Both scaled by the capacity factor learned online."""
+        generates at the SLO. Both scaled by the capacity factor learned online. The mean prompt and
+        output are ``self.sizes``, which ``decide`` keeps from the last window with arrivals."""
         rs, st, lim = snap.role(role), self.state[role], self.limits[role]
         pre, dec = snap.prefill, snap.decode
-        prompt = pre.prompt_tokens_per_s / pre.arrivals_per_s if pre.arrivals_per_s > 0 else 0.0
-        output = dec.output_tokens_per_s / dec.arrivals_per_s if dec.arrivals_per_s > 0 else 0.0
+        prompt, output = self.sizes["prompt"], self.sizes["output"]
         phi = st.correction * self.headroom
         if self.perf is None:
             # no model: the throughput each ready replica carries now, scaled by the latency headroom
@@ -552,13 +563,30 @@ class Autoscaler:
             first = max(first, self.hold_ttft_share * min(pre.latency, now))
         hold = first / max(output, 1.0) if self.hold_first_token else 0.0
 
-        def need_d(x):
-            return self.perf.decode_replicas(x / phi, ctx, lim.target, most, hold) if x > 0 else 0
         backlog = rs.waiting * max(output, 1.0) / self.startup_s
+        demand = rs.output_tokens_per_s + backlog
         slots, _ = self.perf.decode_slots(lim.target, ctx)
-        return rs.output_tokens_per_s + backlog, need_d, {"unit": "tokens/s", "context_tokens": round(ctx, 1),
-                                                          "slots_per_replica": round(slots, 3),
-                                                          "hold_s_per_token": round(hold, 4)}
+        inputs = {"unit": "tokens/s", "context_tokens": round(ctx, 1), "slots_per_replica": round(slots, 3),
+                  "hold_s_per_token": round(hold, 4)}
+        population = rs.running + rs.waiting
+        if dec.arrivals_per_s <= 0 and population > 0 and demand > 0 and slots >= 1:
+            # nothing arrived: the running sequences are a fixed population, not a stream. None of them
+            # waits for a slot, so they need their whole slots at the headroom and no queueing margin,
+            # and a sequence stays on the replica it started on, so a replica added now serves none of
+            # them: the population can let a pool shrink, never grow it (a breach still grows it by
+            # the latency rule). Sized as a stream (Erlang C on tokens/s x the step), the real-process
+            # fleet test's trickle of two streams held 2 replicas of about 10 slots each. A level or
+            # forecast above the window's demand reads as proportionally more sequences
+            per_token_s = population / demand
+            whole, cur = int(slots), rs.replicas
+            inputs["fixed_population"] = round(population, 2)
+
+            def need_d(x):
+                return min(cur, max(1, math.ceil(x * per_token_s / (whole * phi) - 1e-9))) if x > 0 else 0
+        else:
+            def need_d(x):
+                return self.perf.decode_replicas(x / phi, ctx, lim.target, most, hold) if x > 0 else 0
+        return demand, need_d, inputs
 
     def _catch_up(self, role: str, rs: RoleSnapshot, demand: float, inputs: dict) -> float:
         """Prefill's extra load (erlangs) to drain, within ``catch_up_s`` of the new replicas being ready,
@@ -578,7 +606,7 @@ class Autoscaler:
         return catch
 
     def _learn(self, role: str, snap: PoolSnapshot, planned: int, tight: int,
-               service_s: Optional[float] = None, slots: Optional[float] = None) -> None:
+               service_s: Optional[float] = None, slots: Optional[float] = None) -> Optional[str]:
         """Correct the capacity factor from a steady window (replicas all ready, none draining, traffic
         flowing, a latency measured) in which the model's view can be checked: above the band while the
         model said the ready replicas suffice (``planned`` <= ready), capacity was overrated (-10%); well
@@ -592,7 +620,11 @@ class Autoscaler:
         2.0-2.3 (docs/autoscaler.md, "Prefill's factor is a different error on each calibration"). Low
         latency at low load says nothing about capacity, so it teaches nothing; nor does decode's p90 where
         a replica holds fewer than ``decode_probe_min_slots`` sequences at the SLO (``slots``: the
-        model's, for decode; None for prefill), because it sits at the batch-1 step until the cliff."""
+        model's, for decode; None for prefill), because it sits at the batch-1 step until the cliff.
+
+        Returns ``"lowered"`` or ``"raised"`` when the window corrected the factor, else None (the fade of
+        a lowered factor back towards 1 is not a correction; ``bench/decode_probe_evidence.py`` counts
+        the probe's raises by it)."""
         rs, st, lim = snap.role(role), self.state[role], self.limits[role]
         lat = rs.latency
         known = lat is not None and not math.isnan(lat)
@@ -612,7 +644,8 @@ class Autoscaler:
         if ratio > 1 + lim.tolerance and planned <= rs.ready:
             st.ceiling = (snap.at, st.correction)
             st.correction = max(0.3, st.correction * 0.9)
-        elif ratio < 0.75 and tight > rs.ready:
+            return "lowered"
+        if ratio < 0.75 and tight > rs.ready:
             if slots is not None and slots < self.decode_probe_min_slots:
                 return   # decode's p90 sits at the batch-1 floor until its cliff: no margin to read
             if self.probe_guard > 0 and service_s and not self._one_fewer_holds(rs.ready, lat, service_s,
@@ -622,7 +655,9 @@ class Autoscaler:
             if st.ceiling is not None and snap.at - st.ceiling[0] < self.probe_memory_s:
                 # not past what the last overload lowered it to: probing past it again only repeats the miss
                 top = max(st.correction, st.ceiling[1] * 0.9)
-            st.correction = min(top, st.correction * 1.02)
+            before, st.correction = st.correction, min(top, st.correction * 1.02)
+            return "raised" if st.correction > before else None
+        return None
 
     def _one_fewer_holds(self, ready: int, p90: float, service_s: float, limit: float) -> bool:
         """Whether ``ready - 1`` prefill replicas would keep the p90 TTFT under ``limit`` (s) at the most

@@ -38,7 +38,7 @@ CALIBRATION = ROOT / "bench" / "calibrations" / "smollm2-cpu.yaml"
 WINDOW_S = 10.0
 #: decode's decision inputs printed for each decision before the drain (Autoscaler's ``inputs``)
 DRAIN_INPUTS = ("capacity_factor", "need", "demand", "level", "forecast", "rise", "hold_s_per_token",
-                "context_tokens", "slots_per_replica")
+                "context_tokens", "slots_per_replica", "fixed_population")
 
 
 def _fleet(overrides: dict, name: str) -> LocalFleet:

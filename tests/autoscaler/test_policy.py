@@ -3,6 +3,7 @@
 Each test drives ``Autoscaler.decide`` with a sequence of snapshots on a made-up clock, as the simulator
 and the operator do."""
 import copy
+import math
 import random
 import subprocess
 import sys
@@ -711,6 +712,52 @@ def test_the_capacity_probe_stops_where_one_replica_fewer_would_break_the_target
     assert factor(calm) > 1.2                   # it probes where one fewer holds
     assert factor(near) == 1.0                  # not where the measured queue says one fewer breaks
     assert factor(near, probe_guard=0) > 1.2    # the blind probe (before) climbed there too
+
+
+def test_a_window_with_streams_running_and_none_arriving_keeps_the_last_request_sizes():
+    """Thirtieth session's note, the real-process fleet test: a metrics window in which streams still ran
+    and no request arrived read the mean prompt and output as 0, so decode sized a replica's slots at a
+    context of 0 (13.7 slots where its 75-token requests allow 9.9) and weighed each held place as a
+    whole prefill per output token. The sizes are now those of the last window with arrivals."""
+    a = Autoscaler(spec(), CAL)
+    first = steady(a, 0, 0.3, 2, 2).decode.inputs
+    assert first["context_tokens"] == pytest.approx(380 + 16 / 2)
+    streams = 4
+    quiet = a.decide(snap(15, RoleSnapshot("prefill", "ok", 30.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.1, 1.2, 2),
+                          RoleSnapshot("decode", "ok", 30.0, 0.0, 0.0, streams / 0.06, streams, 0.0, 0.1,
+                                       0.06, 2))).decode.inputs
+    assert quiet["context_tokens"] == first["context_tokens"], quiet
+    assert quiet["slots_per_replica"] == first["slots_per_replica"]
+    assert quiet["hold_s_per_token"] == first["hold_s_per_token"]
+
+
+def test_a_window_with_streams_running_and_none_arriving_sizes_them_as_a_fixed_population():
+    """Thirty-first session: with nothing arriving, decode's running sequences are a fixed population,
+    not a stream. Sized as a stream (Erlang C on their tokens/s x the step), two streams held two decode
+    replicas of about ten slots each in the real-process fleet test, and its drain came only after the
+    streams ended. As a population they need their whole slots at the headroom; and since a sequence
+    stays on its replica, the population never grows the pool."""
+    def quiet(streams, decode_ready, arrivals):
+        a = Autoscaler(spec(), CAL)
+        a.decide(snap(0, role("prefill", 2, prompt=50), role("decode", decode_ready, prompt=50)))
+        tokens = streams / 0.06
+        return a.decide(snap(15, role("prefill", 2, arrivals=0.0),
+                             RoleSnapshot("decode", "ok", 30.0, arrivals, 0.0, tokens, streams, 0.0, 0.1, 0.06,
+                                          decode_ready))).decode
+    whole = int(PerfModel.of(CAL).decode_slots(TPOT, 50 + 16 / 2)[0])
+    assert whole == 4
+    population = quiet(2, 3, 0.0)
+    assert population.inputs["fixed_population"] == 2
+    assert population.recommended == math.ceil(2 / (whole * 0.8)) == 1, population
+    # the same tokens/s from arrivals is a stream: Erlang C keeps a margin for the next arrivals
+    stream = quiet(2, 3, 2 / 16)
+    assert "fixed_population" not in stream.inputs
+    assert stream.recommended > 1, stream
+    # more sequences than one replica's whole slots: the sizing would add a replica, which would serve
+    # none of them, so the pool holds
+    held = quiet(9, 2, 0.0)
+    assert math.ceil(9 / (whole * 0.8)) > 2
+    assert held.recommended == 2, held
 
 
 def test_hpa_behavior_arithmetic_shared_by_the_policy_and_the_held_oracle():
