@@ -127,6 +127,10 @@ def _check_args(args) -> None:
     for opt, path in (("--pool", args.pool), ("--trace", args.trace), ("--calibration", args.calibration)):
         if path is not None and not Path(path).is_file():
             raise ValueError(f"{opt} {path}: no such file")
+    for opt, path in (("--tuned", args.tuned), ("--write-pool", args.write_pool), ("--write-trace", args.write_trace)):
+        # checked before minutes of tuning, not when the result is written
+        if path is not None and (Path(path).is_dir() or not Path(path).resolve().parent.is_dir()):
+            raise ValueError(f"{opt} {path}: {'a directory' if Path(path).is_dir() else 'no such directory'}")
     if args.plot:
         import matplotlib.figure
         kinds = matplotlib.figure.Figure().canvas.get_supported_filetypes()
@@ -235,8 +239,15 @@ def _simulate(args) -> int:
         return m, fleet
 
     tuned = R.load_tuned(None if same else cal_path).get(scenario, {}) if scenario else {}
+    source = "committed for this calibration" if tuned else None
     if args.tuned and Path(args.tuned).is_file():
-        tuned = {**json.loads(Path(args.tuned).read_text()), **tuned}
+        try:
+            tuned = {**_read_tuned(args.tuned, lambda n, k: R.make_policy(n, spec, perf, cal, targets, minutes, k)),
+                     **tuned}
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        source = f"read from {args.tuned}"
     missing = [n for n in names if n != "tandem" and n not in tuned]
     if missing and not (scenario and same):
         if scenario:   # another calibration: the scenario's tuning seed on it
@@ -249,6 +260,7 @@ def _simulate(args) -> int:
         print(f"note: tuning the baselines on {what} ({len(recs)} requests; --tuned FILE keeps the knobs)",
               file=sys.stderr)
         tuned = {**_tune(lambda n, k: one(n, k, recs, dur, mins), missing, bounds), **tuned}
+        source = f"tuned on {what}" + (f", kept in {args.tuned}" if args.tuned else "")
         if args.tuned:
             Path(args.tuned).write_text(json.dumps(tuned, indent=1) + "\n")
 
@@ -265,7 +277,11 @@ def _simulate(args) -> int:
            if args.decisions else None}
     key = scenario or Path(args.trace or "trace").name
     tab = {key: out["results"]}
-    text = R.format_table(tab)
+    out["knobs_source"] = source
+    knobs = "" if names == ["tandem"] else f"; the baselines' knobs: {source or 'their defaults'}"
+    text = (f"SLOs: p90 TTFT <= {targets['prefill']:.4g} s, p90 TPOT <= {targets['decode']:.4g} s (attainment: "
+            f"the share of minutes whose p90 meets them); start-up {args.startup:g} s{knobs}\n\n"
+            + R.format_table(tab))
     if args.aims:
         # issue 25's aims, judged as `tune` judges the scenarios: the cost aim against the reactive oracle
         # at every setting of its grid, plain and held to the pool's behavior, and each miss checked
@@ -285,6 +301,29 @@ def _simulate(args) -> int:
     if args.plot:
         _plot(runs, targets, args.plot, f"{scenario or args.trace}: replicas and p90 latency")
     return 0
+
+
+def _read_tuned(path: str, make) -> dict:
+    """The baselines' knobs in ``path`` (a JSON object: policy name -> its knobs), each checked by making
+    the policy with ``make(name, knobs)``. Raises ValueError ``FILE: ...`` naming what is wrong."""
+    from tandem.operator.simulate import run as R
+    try:
+        got = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"--tuned {path}: not a JSON file ({e})") from None
+    if not isinstance(got, dict):
+        raise ValueError(f"--tuned {path}: must be a JSON object of policy name -> knobs, not "
+                         f"{type(got).__name__}")
+    for name, knobs in got.items():
+        if name not in R.POLICIES:
+            raise ValueError(f"--tuned {path}: {name}: unknown policy (one of {', '.join(R.POLICIES)})")
+        if not isinstance(knobs, dict):
+            raise ValueError(f"--tuned {path}: {name}: the knobs must be a JSON object, not {json.dumps(knobs)}")
+        try:
+            make(name, knobs)
+        except (TypeError, ValueError, KeyError) as e:
+            raise ValueError(f"--tuned {path}: {name}: bad knobs {json.dumps(knobs)} ({e})") from None
+    return got
 
 
 def _tune(one, names: list, bounds: dict) -> dict:
@@ -336,10 +375,11 @@ def add_simulate_command(sub) -> None:
     s.add_argument("--scenario", choices=NAMES, help="one of the fixed scenarios instead of --pool/--trace")
     s.add_argument("--seed", type=int, default=None, help="--scenario: the trace's seed (default 0)")
     s.add_argument("--write-trace", help="--scenario: also write its trace here")
-    s.add_argument("--write-pool", help="--scenario: also write its pool manifest here")
+    s.add_argument("--write-pool", help="also write the pool manifest here: the scenario's, or the one made for "
+                                        "the trace (not with --pool)")
     s.add_argument("--policy", default="all", help=f"one of {', '.join(POLICIES)}, or all (default)")
-    s.add_argument("--startup", type=float, default=STARTUP_S, help="replica start-up time (s)")
-    s.add_argument("--tick", type=float, default=15.0, help="the policy's period (s)")
+    s.add_argument("--startup", type=float, default=STARTUP_S, help="replica start-up time (s; default %(default)g)")
+    s.add_argument("--tick", type=float, default=15.0, help="the policy's period (s; default %(default)g)")
     s.add_argument("--json", action="store_true", help="print the results as JSON")
     s.add_argument("--decisions", action="store_true", help="--json: include every decision")
     s.add_argument("--aims", action="store_true",

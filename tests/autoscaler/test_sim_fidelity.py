@@ -127,6 +127,22 @@ def test_simulate_an_imported_trace_as_a_user_would(tmp_path):
     knobs = json.loads((tmp_path / "k.json").read_text())
     assert set(knobs) == set(out["results"]) - {"tandem"} and {"hpa-slo", "kpa", "dynamo"} <= set(knobs)
     assert all(out["results"][n]["knobs"] == k for n, k in knobs.items() if n != "static")
+    assert out["knobs_source"] == f"tuned on the trace's first half, kept in {tmp_path / 'k.json'}"
     r2 = subprocess.run(run, capture_output=True, text=True, env=env, timeout=120)
     assert r2.returncode == 0 and "tuning" not in r2.stderr
     assert json.loads(r2.stdout)["results"] == out["results"]
+    assert json.loads(r2.stdout)["knobs_source"] == f"read from {tmp_path / 'k.json'}"
+    # a bad --tuned file, or one that could not be written, is a one-line error before anything runs
+    # (they were tracebacks, the last one after the minutes of tuning)
+    for text, says in (("{bad", "not a JSON file"), ("[]", "must be a JSON object"),
+                       ('{"nope": {}}', "nope: unknown policy"), ('{"kpa": 3}', "kpa: the knobs must be"),
+                       ('{"static": {"bogus": 1}}', "static: bad knobs"),
+                       ('{"static": {"prefill": "x", "decode": 1}}', "static: bad knobs")):
+        (tmp_path / "bad.json").write_text(text)
+        r3 = subprocess.run(run[:-4] + ["--tuned", str(tmp_path / "bad.json")], capture_output=True, text=True,
+                            env=env, timeout=120)
+        assert r3.returncode == 2 and "error: --tuned" in r3.stderr and says in r3.stderr, (text, r3.stderr[-500:])
+        assert "Traceback" not in r3.stderr
+    r4 = subprocess.run(run[:-4] + ["--tuned", str(tmp_path / "no" / "k.json")], capture_output=True, text=True,
+                        env=env, timeout=120)
+    assert r4.returncode == 2 and "no such directory" in r4.stderr, r4.stderr[-500:]

@@ -1,6 +1,7 @@
 """Seeded traces and datasets: same seed, same requests; parameters in the header; the generators
 shape rate and lengths as asked. Also gamma burstiness and `tandem bench compare`."""
 import json
+import math
 import os
 import subprocess
 import sys
@@ -167,6 +168,23 @@ def test_import_window_and_scale():
     # the same lengths, three times over
     _, one = import_trace("mooncake", path)
     assert sorted(r["prompt_tokens"] for r in s) == sorted(3 * [r["prompt_tokens"] for r in one])
+    # copy 0 is the trace unchanged: its last request stays at the end (it wrapped to 0 before)
+    copy0 = [r["timestamp"] for r in s if min(r["hash_ids"]) < 9]
+    assert copy0 == [r["timestamp"] for r in one] and copy0[-1] == p["duration"] == 3.0
+    # an open window's end is null in the header (JSON has no Infinity)
+    p, _ = import_trace("mooncake", path, window=(1.0, math.inf))
+    assert p["window"] == [1.0, None]
+    json.dumps(p, allow_nan=False)
+
+
+def test_import_azure_saved_by_a_spreadsheet(tmp_path):
+    """A CSV with a UTF-8 byte-order mark (as spreadsheets save it) reads as the same trace: the mark is
+    not part of the first column's name."""
+    from tandem.worker.bench.trace_import import read_azure
+    text = "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03.97,12,3\n2023-11-16 18:17:04.5,7,2\n"
+    (tmp_path / "plain.csv").write_text(text)
+    (tmp_path / "bom.csv").write_bytes(b"\xef\xbb\xbf" + text.encode())
+    assert read_azure(tmp_path / "bom.csv") == read_azure(tmp_path / "plain.csv")
 
 
 def test_fit_lengths_maps_a_trace_onto_other_medians_and_clips():
@@ -199,6 +217,8 @@ def test_fit_lengths_maps_a_trace_onto_other_medians_and_clips():
     ("azure", "TIMESTAMP,ContextTokens,GeneratedTokens\nyesterday,12,3\n", r":2: TIMESTAMP: "),
     ("azure", "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03.97,12,0\n", r":2: GeneratedTokens: "),
     ("azure", "TIMESTAMP,Context,GeneratedTokens\n2023-11-16 18:17:03.97,12,3\n", r":1: ContextTokens: missing"),
+    ("azure", "", r":1: empty file"),
+    ("azure", "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03.97,12\n", r":2: GeneratedTokens: missing"),
     ("mooncake", '{"timestamp": 0, "input_length": 10, "output_length": 2, "hash_ids": [0]}\n{"timestamp": 5}\n',
      r":2: input_length: "),
     ("mooncake", '{"timestamp": -1, "input_length": 10, "output_length": 2, "hash_ids": [0]}\n', r":1: timestamp: "),

@@ -56,13 +56,23 @@ def read_azure(path: str | Path) -> list[dict]:
     """Records (timestamp s from the first request, prompt_tokens, output_tokens) of an Azure CSV.
     Raises ValueError ``FILE:LINE: FIELD: why`` for a bad row or a missing column, OSError when unreadable."""
     out = []
-    with open(path, newline="") as f:
+    # utf-8-sig: a CSV saved by a spreadsheet starts with a byte-order mark, which would otherwise be part
+    # of the first column's name
+    with open(path, newline="", encoding="utf-8-sig") as f:
         reader = csv.DictReader(f)
-        missing = {"TIMESTAMP", "ContextTokens", "GeneratedTokens"} - set(reader.fieldnames or ())
+        if reader.fieldnames is None:
+            raise ValueError(f"{path}:1: empty file (an Azure trace has a header "
+                             "TIMESTAMP,ContextTokens,GeneratedTokens)")
+        missing = {"TIMESTAMP", "ContextTokens", "GeneratedTokens"} - set(reader.fieldnames)
         if missing:
             raise ValueError(f"{path}:1: {', '.join(sorted(missing))}: missing column (an Azure trace has "
                              "TIMESTAMP,ContextTokens,GeneratedTokens)")
         for row in reader:
+            short = [k for k in ("TIMESTAMP", "ContextTokens", "GeneratedTokens") if row.get(k) is None]
+            if short:
+                raise ValueError(f"{path}:{reader.line_num}: {short[0]}: missing (the row has "
+                                 f"{len(reader.fieldnames) - len(short)} fields, the header "
+                                 f"{len(reader.fieldnames)})")
             try:
                 r = AzureRow.model_validate({k: (v.strip() if isinstance(v, str) else v) for k, v in row.items()
                                              if k is not None})
@@ -109,8 +119,9 @@ def cut_window(records: list[dict], start: float, end: float) -> list[dict]:
 
 
 def scale(records: list[dict], k: int, duration: float, spread: float = SCALE_SPREAD_S) -> list[dict]:
-    """``k`` copies superposed, copy j shifted by j * spread / k seconds and wrapped at ``duration``, its
-    hash_ids offset so that copies share no blocks. Raises ValueError for k < 1."""
+    """``k`` copies superposed, copy j shifted by j * spread / k seconds and wrapped past ``duration``
+    (a request shifted to exactly ``duration`` stays there: copy 0 is the trace unchanged, its last request
+    included), its hash_ids offset so that copies share no blocks. Raises ValueError for k < 1."""
     if k < 1 or int(k) != k:
         raise ValueError(f"scale must be a whole number >= 1 (got {k})")
     if k == 1:
@@ -120,7 +131,8 @@ def scale(records: list[dict], k: int, duration: float, spread: float = SCALE_SP
     for j in range(int(k)):
         shift = j * min(spread, duration) / k
         for r in records:
-            c = {**r, "timestamp": round((r["timestamp"] + shift) % duration if duration > 0 else r["timestamp"], 6)}
+            t = r["timestamp"] + shift
+            c = {**r, "timestamp": round(t - duration if 0 < duration < t else t, 6)}
             if r.get("hash_ids") is not None:
                 c["hash_ids"] = [h + j * top for h in r["hash_ids"]]
             out.append(c)
@@ -175,7 +187,9 @@ def import_trace(fmt: str, path: str | Path, window: Optional[tuple[float, float
     if k < 1 or int(k) != k:
         raise ValueError(f"scale must be a whole number >= 1 (got {k})")
     records = scale(records, int(k), duration)
-    params = {"format": fmt, "source": Path(path).name, "window": list(window) if window else None,
+    # an open end is written as null: JSON has no Infinity
+    params = {"format": fmt, "source": Path(path).name,
+              "window": [window[0], None if math.isinf(window[1]) else window[1]] if window else None,
               "scale": int(k), "scale_spread_s": SCALE_SPREAD_S if k > 1 else 0.0, "duration": duration}
     if fmt == "mooncake":
         params["block_tokens"] = MOONCAKE_BLOCK_TOKENS
