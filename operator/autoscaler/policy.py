@@ -575,7 +575,7 @@ class Autoscaler:
             # and a sequence stays on the replica it started on, so a replica added now serves none of
             # them: the population can let a pool shrink, never grow it (a breach still grows it by
             # the latency rule). Sized as a stream (Erlang C on tokens/s x the step), the real-process
-            # fleet test's trickle of two streams held 2 replicas of about 10 slots each. A level or
+            # fleet test's trickle of two streams held 2 replicas of 10-15 slots each. A level or
             # forecast above the window's demand reads as proportionally more sequences
             per_token_s = population / demand
             whole, cur = int(slots), rs.replicas

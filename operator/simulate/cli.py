@@ -282,15 +282,7 @@ def _simulate(args) -> int:
     text = (f"SLOs: p90 TTFT <= {targets['prefill']:.4g} s, p90 TPOT <= {targets['decode']:.4g} s (attainment: "
             f"the share of minutes whose p90 meets them); start-up {args.startup:g} s{knobs}\n\n"
             + R.format_table(tab))
-    def meets(n):
-        return min(out["results"][n]["attainment_ttft"], out["results"][n]["attainment_tpot"]) >= R.ATTAINMENT_AIM
-    weak = [n for n in R.YARDSTICKS if n in out["results"] and not meets(n)]
-    met = [n for n in out["results"] if n not in R.YARDSTICKS and meets(n)]
-    if weak and met:
-        text += (f"\n\nnote: {' and '.join(weak)} miss the SLOs here where {', '.join(met)} meet them. They size each minute afresh from its "
-                 "load and keep no replica through a quiet minute, so on a bursty trace a backlog outlives "
-                 "the replicas they add; held to the pool's scaling behavior (--aims) they are the "
-                 "yardstick (docs/autoscaler.md, \"The trace's aims, judged\").")
+    text += _yardstick_note(out["results"])
     if args.aims:
         # issue 25's aims, judged as `tune` judges the scenarios: the cost aim against the reactive oracle
         # at every setting of its grid, plain and held to the pool's behavior, and each miss checked
@@ -310,6 +302,22 @@ def _simulate(args) -> int:
     if args.plot:
         _plot(runs, targets, args.plot, f"{scenario or args.trace}: replicas and p90 latency")
     return 0
+
+
+def _yardstick_note(results: dict) -> str:
+    """A note for the text output when the plain oracles miss the SLOs where a peer meets them (else "")."""
+    from tandem.operator.simulate import run as R
+
+    def meets(n):
+        return min(results[n]["attainment_ttft"], results[n]["attainment_tpot"]) >= R.ATTAINMENT_AIM
+    weak = [n for n in R.YARDSTICKS if n in results and not meets(n)]
+    met = [n for n in results if n not in R.YARDSTICKS and meets(n)]
+    if not (weak and met):
+        return ""
+    return (f"\n\nnote: {' and '.join(weak)} miss the SLOs here where {', '.join(met)} meet them. They size "
+            "each minute afresh from its load and keep no replica through a quiet minute, so on a bursty "
+            "trace a backlog outlives the replicas they add; held to the pool's scaling behavior (--aims) "
+            "they are the yardstick (docs/autoscaler.md, \"The trace's aims, judged\").")
 
 
 def _read_tuned(path: str, make) -> dict:
