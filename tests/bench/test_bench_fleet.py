@@ -103,3 +103,9 @@ def test_trace_replay(fleet, tmp_path):
     s, reqs = bench(fleet, tmp_path / "trace", "--dataset", "trace", "--dataset-path", str(trace),
                     "--prefix-len", "16")
     assert s["completed"] == n and s["load"]["arrival"] == "trace"
+
+    def strict(constant):
+        raise ValueError(f"not JSON: {constant}")
+    # strict JSON: the open-loop rate is null (it was written as Infinity, which JSON has not)
+    json.loads((tmp_path / "trace" / "summary.json").read_text(), parse_constant=strict)
+    assert s["load"]["request_rate"] is None

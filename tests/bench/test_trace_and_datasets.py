@@ -261,3 +261,22 @@ def test_import_cli_errors_and_serve_shares_prefix_blocks(tmp_path):
     assert maker.count(os.path.commonprefix([text[2], text[4]])) >= 500   # block 4
     assert maker.count(os.path.commonprefix([text[0], text[2]])) < 5       # nothing shared
     assert [r.prompt_tokens for r in d.requests] == [1100, 1300, 600, 1024, 700, 520]
+    # a block shorter than block_tokens (the prompt's last) is the head of its id's text, so an id seen
+    # at 300 and at 480 tokens shares the first 300 (each length had a text of its own)
+    part = tmp_path / "part.jsonl"
+    part.write_text("".join(json.dumps({"timestamp": t, "input_length": n, "output_length": 4, "hash_ids": [7]}) + "\n"
+                            for t, n in ((0, 300), (500, 480), (900, 512))))
+    params, recs = import_trace("mooncake", part)
+    write_trace(tmp_path / "p.jsonl", "import", params, recs)
+    text = [r.messages[0]["content"] for r in ds.trace_dataset(maker, str(tmp_path / "p.jsonl")).requests]
+    assert maker.count(os.path.commonprefix(text)) >= 295 and text[2].startswith(os.path.commonprefix(text[1:]))
+    assert maker.count(os.path.commonprefix(text[1:])) >= 475
+    # an empty trace, and a trace path that does not exist, are one-line errors naming them
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(ValueError, match="empty.jsonl: no requests"):
+        ds.trace_dataset(maker, str(tmp_path / "empty.jsonl"))
+    out = subprocess.run([sys.executable, "-m", "tandem.worker.cli", "bench", "serve", "--base-url",
+                          "http://127.0.0.1:9/v1", "--model", "m", "--dataset", "trace", "--dataset-path",
+                          str(tmp_path / "nope.jsonl")], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONSAFEPATH": "1"}, timeout=120)
+    assert out.returncode == 2 and "--dataset-path" in out.stderr and "no such file" in out.stderr, out.stderr

@@ -58,6 +58,9 @@ def _serve(args) -> int:
         percentiles = tuple(_floats(args.percentiles))
         if args.dataset in ("sharegpt", "trace") and not (args.dataset_path or args.load_dataset):
             raise ValueError(f"--dataset {args.dataset} needs --dataset-path")
+        for opt, path in (("--dataset-path", args.dataset_path), ("--load-dataset", args.load_dataset)):
+            if path is not None and not Path(path).is_file():
+                raise ValueError(f"{opt} {path}: no such file")
         dataset = build_dataset(args)
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -156,11 +156,16 @@ def trace_dataset(maker, path: str, n: int | None = None, prefix_len: int = 64, 
     """Requests of a trace file (:func:`tandem.worker.bench.trace.read_trace`): its timestamps become
     the schedule; records of one ``prefix_group`` share their first ``prefix_len`` tokens (capped at the
     prompt length) as a system message. A record with ``hash_ids`` (an imported Mooncake trace) gets a
-    prompt of one text per block of the header's ``block_tokens`` tokens (the last block what remains of
-    the prompt), the same id giving the same text, so requests that share ids share their prompt's
-    prefix as the trace says; tokens past the listed blocks are fresh."""
+    prompt of one text per block of the header's ``block_tokens`` tokens, the same id giving the same
+    text, so requests that share ids share their prompt's prefix as the trace says; a prompt's last
+    block, where it is shorter, is the head of its id's text (an id seen at 300 and 480 tokens shares
+    the first 300); tokens past the listed blocks are fresh. Raises ValueError for a trace with no
+    requests."""
     from tandem.worker.bench.trace import read_trace
     header, records = read_trace(path)
+    if not records:
+        raise ValueError(f"{path}: no requests (a tandem trace: `tandem bench trace` writes one, "
+                         "`tandem bench trace import` converts an Azure or Mooncake trace)")
     block = int((header.get("params") or {}).get("block_tokens") or 512)
     records = records[:n] if n else records
     rng = np.random.default_rng(seed)
@@ -176,9 +181,9 @@ def trace_dataset(maker, path: str, n: int | None = None, prefix_len: int = 64, 
                 size = min(block, p - j * block)
                 if size <= 0:
                     break
-                if (h, size) not in blocks:
-                    blocks[(h, size)] = maker.text(rng, size)
-                parts.append(blocks[(h, size)])
+                if h not in blocks:
+                    blocks[h] = maker.text(rng, block)
+                parts.append(blocks[h] if size == block else maker.head(blocks[h], size))
             rest = p - min(p, len(r["hash_ids"]) * block)
             if rest:
                 parts.append(maker.text(rng, rest))

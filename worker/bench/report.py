@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 from pathlib import Path
 
 from tandem.worker.bench.runner import RunResult
@@ -34,7 +35,22 @@ def write_requests(result: RunResult, path: str | Path) -> None:
 
 
 def write_summary(summary: dict, path: str | Path) -> None:
-    Path(path).write_text(json.dumps(summary, indent=2, default=float) + "\n")
+    """``summary`` as strict JSON: a value that is not a finite number (an open-loop rate of inf, the
+    percentiles of a run with no request) is written as null, which every JSON parser reads."""
+    Path(path).write_text(json.dumps(_finite(summary), indent=2, allow_nan=False) + "\n")
+
+
+def _finite(v):
+    if isinstance(v, dict):
+        return {k: _finite(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_finite(x) for x in v]
+    if isinstance(v, (bool, str)) or v is None:
+        return v
+    if isinstance(v, numbers.Integral):
+        return int(v)
+    v = float(v)
+    return v if math.isfinite(v) else None
 
 
 def _fmt(v) -> str:

@@ -29,6 +29,11 @@ class PromptMaker:
     def count(self, text: str) -> int:
         return len(self.tok.encode(text, add_special_tokens=False))
 
+    def head(self, text: str, n: int) -> str:
+        """The text of the first ``n`` tokens of ``text``: a prefix of it (but where the cut splits a
+        character), so that a server's prefix cache sees the two share their start."""
+        return self.tok.decode(self.tok.encode(text, add_special_tokens=False)[:n])
+
     def text(self, rng: np.random.Generator, n: int) -> str:
         """Text whose encoding is ``n`` tokens (re-encoding can merge pieces, so it is cut and padded)."""
         if n <= 0:
