@@ -271,6 +271,12 @@ def test_import_cli_errors_and_serve_shares_prefix_blocks(tmp_path):
     text = [r.messages[0]["content"] for r in ds.trace_dataset(maker, str(tmp_path / "p.jsonl")).requests]
     assert maker.count(os.path.commonprefix(text)) >= 295 and text[2].startswith(os.path.commonprefix(text[1:]))
     assert maker.count(os.path.commonprefix(text[1:])) >= 475
+    # a raw Mooncake file and a saved dataset given as a trace say what they are and what to run
+    with pytest.raises(ValueError, match="a Mooncake record.*trace import --format mooncake"):
+        ds.trace_dataset(maker, str(part))
+    d.save(tmp_path / "saved.jsonl")
+    with pytest.raises(ValueError, match="a saved dataset.*--load-dataset"):
+        ds.trace_dataset(maker, str(tmp_path / "saved.jsonl"))
     # an empty trace, and a trace path that does not exist, are one-line errors naming them
     (tmp_path / "empty.jsonl").write_text("")
     with pytest.raises(ValueError, match="empty.jsonl: no requests"):

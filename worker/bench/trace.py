@@ -68,9 +68,15 @@ def read_trace(path: str | Path) -> tuple[dict, list[dict]]:
         if n == 1 and "tandem_trace" in obj:
             header = obj
             continue
+        if n == 1 and "tandem_dataset" in obj:
+            raise ValueError(f"{path}: a saved dataset, not a trace (replay it with `bench serve "
+                             "--load-dataset`)")
         try:
             rec = TraceRecord.model_validate(obj)
         except ValidationError as e:
+            if not records and "input_length" in obj:
+                raise ValueError(f"{path}:{n}: a Mooncake record, not a tandem trace's (convert the file with "
+                                 "`tandem bench trace import --format mooncake`)") from None
             raise field_error(path, n, e) from None
         records.append({**obj, "timestamp": rec.timestamp, "prompt_tokens": rec.prompt_tokens,
                         "output_tokens": rec.output_tokens})
