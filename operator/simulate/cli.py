@@ -240,14 +240,19 @@ def _simulate(args) -> int:
 
     tuned = R.load_tuned(None if same else cal_path).get(scenario, {}) if scenario else {}
     source = "committed for this calibration" if tuned else None
+    # what the knobs are tuned for: a file read for another calibration or other SLOs is named as such
+    tuned_on = {"calibration": cal_path.name, "ttft_p90_s": targets["prefill"], "tpot_p90_s": targets["decode"]}
     if args.tuned and Path(args.tuned).is_file():
         try:
-            tuned = {**_read_tuned(args.tuned, lambda n, k: R.make_policy(n, spec, perf, cal, targets, minutes, k)),
-                     **tuned}
+            got, was = _read_tuned(args.tuned, lambda n, k: R.make_policy(n, spec, perf, cal, targets, minutes, k))
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
+        tuned = {**got, **tuned}
         source = f"read from {args.tuned}"
+        if was is not None and _differs(was, tuned_on):
+            print(f"note: --tuned {args.tuned} was tuned for {json.dumps(was)}; this run is "
+                  f"{json.dumps(tuned_on)}: its knobs may not suit it", file=sys.stderr)
     missing = [n for n in names if n != "tandem" and n not in tuned]
     if missing and not (scenario and same):
         if scenario:   # another calibration: the scenario's tuning seed on it
@@ -262,7 +267,7 @@ def _simulate(args) -> int:
         tuned = {**_tune(lambda n, k: one(n, k, recs, dur, mins), missing, bounds), **tuned}
         source = f"tuned on {what}" + (f", kept in {args.tuned}" if args.tuned else "")
         if args.tuned:
-            Path(args.tuned).write_text(json.dumps(tuned, indent=1) + "\n")
+            Path(args.tuned).write_text(json.dumps({TUNED_ON: {**tuned_on, "input": what}, **tuned}, indent=1) + "\n")
 
     runs = {}
     for n in names:
@@ -320,9 +325,23 @@ def _yardstick_note(results: dict) -> str:
             "they are the yardstick (docs/autoscaler.md, \"The trace's aims, judged\").")
 
 
-def _read_tuned(path: str, make) -> dict:
-    """The baselines' knobs in ``path`` (a JSON object: policy name -> its knobs), each checked by making
-    the policy with ``make(name, knobs)``. Raises ValueError ``FILE: ...`` naming what is wrong."""
+#: the key of a --tuned file that records what its knobs were tuned for (calibration, SLOs, input)
+TUNED_ON = "_tuned_on"
+
+
+def _differs(was: dict, now: dict) -> bool:
+    """Whether a --tuned file's record (``was``) names another calibration or other SLOs than ``now``."""
+    if was.get("calibration") != now["calibration"]:
+        return True
+    return any(not isinstance(was.get(k), (int, float)) or abs(was[k] - now[k]) > 1e-9 * max(1.0, abs(now[k]))
+               for k in ("ttft_p90_s", "tpot_p90_s"))
+
+
+def _read_tuned(path: str, make) -> tuple[dict, dict | None]:
+    """(the baselines' knobs, what they were tuned for or None) in ``path``: a JSON object of policy name
+    -> its knobs, each checked by making the policy with ``make(name, knobs)``, and the record under
+    :data:`TUNED_ON` that this command writes (files written before it have none). Raises ValueError
+    ``FILE: ...`` naming what is wrong."""
     from tandem.operator.simulate import run as R
     try:
         got = json.loads(Path(path).read_text())
@@ -331,6 +350,9 @@ def _read_tuned(path: str, make) -> dict:
     if not isinstance(got, dict):
         raise ValueError(f"--tuned {path}: must be a JSON object of policy name -> knobs, not "
                          f"{type(got).__name__}")
+    was = got.pop(TUNED_ON, None)
+    if was is not None and not isinstance(was, dict):
+        raise ValueError(f"--tuned {path}: {TUNED_ON}: must be a JSON object, not {json.dumps(was)}")
     for name, knobs in got.items():
         if name not in R.POLICIES:
             raise ValueError(f"--tuned {path}: {name}: unknown policy (one of {', '.join(R.POLICIES)})")
@@ -340,7 +362,7 @@ def _read_tuned(path: str, make) -> dict:
             make(name, knobs)
         except (TypeError, ValueError, KeyError) as e:
             raise ValueError(f"--tuned {path}: {name}: bad knobs {json.dumps(knobs)} ({e})") from None
-    return got
+    return got, was
 
 
 def _tune(one, names: list, bounds: dict) -> dict:

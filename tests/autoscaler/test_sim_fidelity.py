@@ -125,6 +125,9 @@ def test_simulate_an_imported_trace_as_a_user_would(tmp_path):
     ttft, tpot = S.trace_slo(PERF, read_trace(trace)[1])
     assert out["targets"] == {"ttft_p90_s": pytest.approx(ttft), "tpot_p90_s": pytest.approx(tpot)}
     knobs = json.loads((tmp_path / "k.json").read_text())
+    # the file records what its knobs were tuned for, and a run for something else says so
+    assert knobs.pop("_tuned_on") == {"calibration": CAL_PATH.name, "ttft_p90_s": pytest.approx(ttft),
+                                      "tpot_p90_s": pytest.approx(tpot), "input": "the trace's first half"}
     assert set(knobs) == set(out["results"]) - {"tandem"} and {"hpa-slo", "kpa", "dynamo"} <= set(knobs)
     assert all(out["results"][n]["knobs"] == k for n, k in knobs.items() if n != "static")
     assert out["knobs_source"] == f"tuned on the trace's first half, kept in {tmp_path / 'k.json'}"
@@ -132,6 +135,12 @@ def test_simulate_an_imported_trace_as_a_user_would(tmp_path):
     assert r2.returncode == 0 and "tuning" not in r2.stderr
     assert json.loads(r2.stdout)["results"] == out["results"]
     assert json.loads(r2.stdout)["knobs_source"] == f"read from {tmp_path / 'k.json'}"
+    other = Path(__file__).resolve().parents[2] / "bench/calibrations/smollm2-cpu-scenarios.yaml"
+    r5 = subprocess.run(run[:-6] + [str(other), "--json", "--tuned", str(tmp_path / "k.json"), "--policy", "static"],
+                        capture_output=True, text=True, env=env, timeout=120)
+    assert r5.returncode == 0 and "was tuned for" in r5.stderr and "smollm2-cpu-scenarios.yaml" in r5.stderr, \
+        r5.stderr[-500:]
+    assert "was tuned for" not in r2.stderr
     # a bad --tuned file, or one that could not be written, is a one-line error before anything runs
     # (they were tracebacks, the last one after the minutes of tuning)
     for text, says in (("{bad", "not a JSON file"), ("[]", "must be a JSON object"),
