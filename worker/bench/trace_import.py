@@ -44,6 +44,10 @@ class AzureRow(BaseModel):
     GeneratedTokens: int = Field(ge=1)
 
 
+#: an Azure trace's columns, as its header names them
+AZURE_COLUMNS = tuple(AzureRow.model_fields)
+
+
 class MooncakeRow(BaseModel):
     model_config = ConfigDict(extra="ignore")
     timestamp: float = Field(ge=0, allow_inf_nan=False, description="milliseconds")
@@ -60,15 +64,15 @@ def read_azure(path: str | Path) -> list[dict]:
     # of the first column's name
     with open(path, newline="", encoding="utf-8-sig") as f:
         reader = csv.DictReader(f)
+        header = ",".join(AZURE_COLUMNS)
         if reader.fieldnames is None:
-            raise ValueError(f"{path}:1: empty file (an Azure trace has a header "
-                             "TIMESTAMP,ContextTokens,GeneratedTokens)")
-        missing = {"TIMESTAMP", "ContextTokens", "GeneratedTokens"} - set(reader.fieldnames)
+            raise ValueError(f"{path}:1: empty file (an Azure trace has a header {header})")
+        missing = set(AZURE_COLUMNS) - set(reader.fieldnames)
         if missing:
             raise ValueError(f"{path}:1: {', '.join(sorted(missing))}: missing column (an Azure trace has "
-                             "TIMESTAMP,ContextTokens,GeneratedTokens)")
+                             f"{header})")
         for row in reader:
-            short = [k for k in ("TIMESTAMP", "ContextTokens", "GeneratedTokens") if row.get(k) is None]
+            short = [k for k in AZURE_COLUMNS if row.get(k) is None]
             if short:
                 raise ValueError(f"{path}:{reader.line_num}: {short[0]}: missing (the row has "
                                  f"{len(reader.fieldnames) - len(short)} fields, the header "
