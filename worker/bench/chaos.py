@@ -501,7 +501,8 @@ def soak(cfg: ChaosConfig, target, injector, dataset, schedule, rate: float, cap
         with open(out / "requests.jsonl", "w") as fh:
             for row in records:
                 fh.write(json.dumps(row) + "\n")
-        (out / "summary.json").write_text(json.dumps(summary, indent=1))
+        from tandem.worker.bench.report import write_summary
+        write_summary(summary, out / "summary.json")
     summary["records"] = records
     return summary
 
