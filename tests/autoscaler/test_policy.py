@@ -732,9 +732,9 @@ def test_a_window_with_streams_running_and_none_arriving_keeps_the_last_request_
 
 
 def test_a_window_with_streams_running_and_none_arriving_sizes_them_as_a_fixed_population():
-    """Thirty-first session: with nothing arriving, decode's running sequences are a fixed population,
+    """Thirty-second session: with nothing arriving, decode's running sequences are a fixed population,
     not a stream. Sized as a stream (Erlang C on their tokens/s x the step), two streams held two decode
-    replicas of about ten slots each in the real-process fleet test, and its drain came only after the
+    replicas of 10-15 slots each in the real-process fleet test, and its drain came only after the
     streams ended. As a population they need their whole slots at the headroom; and since a sequence
     stays on its replica, the population never grows the pool."""
     def quiet(streams, decode_ready, arrivals):
