@@ -115,9 +115,9 @@ def tune_all(cal_path, jobs: int = 2, policies=None) -> dict:
     return out
 
 
-def table_all(cal_path, tuned: dict, jobs: int = 2) -> dict:
-    """{scenario: {policy: metrics}} on seed 0 with the tuned knobs."""
-    return _by_seed(cal_path, tuned, jobs)[0]
+def table_all(cal_path, tuned: dict, jobs: int = 2, seed: int = 0) -> dict:
+    """{scenario: {policy: metrics}} on ``seed`` (0, the evaluation seed) with the tuned knobs."""
+    return _by_seed(cal_path, tuned, jobs, (seed,))[seed]
 
 
 def table_by_seed(cal_path, tuned: dict, seeds, jobs: int = 2) -> dict:
@@ -125,10 +125,10 @@ def table_by_seed(cal_path, tuned: dict, seeds, jobs: int = 2) -> dict:
     return _by_seed(cal_path, tuned, jobs, tuple(seeds))
 
 
-def frontier_all(cal_path, jobs: int = 2, policy: str = "oracle-reactive") -> dict:
-    """{scenario: [metrics]}: :func:`run.reactive_frontier` on seed 0 (of ``policy``: the reactive oracle,
-    or :data:`run.BEHAVED`), scenarios spread over ``jobs``."""
-    return _by_seed(cal_path, None, jobs, frontier=policy)[0]
+def frontier_all(cal_path, jobs: int = 2, policy: str = "oracle-reactive", seed: int = 0) -> dict:
+    """{scenario: [metrics]}: :func:`run.reactive_frontier` on ``seed`` (0, the evaluation seed; of
+    ``policy``: the reactive oracle, or :data:`run.BEHAVED`), scenarios spread over ``jobs``."""
+    return _by_seed(cal_path, None, jobs, (seed,), frontier=policy)[seed]
 
 
 def at_least_one(text: str) -> int:
