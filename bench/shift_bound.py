@@ -9,6 +9,11 @@ never scale down. Two forms of that jump:
 - ``limited``: at the scenario manifest's scale-up step (+4 replicas per 30 s), as every policy is held;
 - ``at once``: the whole jump at 1,215 s, more than the pool's behavior lets any policy do.
 
+It then prints what a policy has to go on at that tick: the window's demand over its smoothed level
+(tandem's ``demand`` and ``level`` inputs) for each role, beside the highest the same ratio reads in
+the diurnal and bursts scenarios of the seed, where no shift comes. A rule that jumps on the first
+tick's reading would jump there too.
+
 For each (P0, D0) it prints the TTFT / TPOT attainment (the share of minutes meeting the SLO) and the
 GPU-hours (a jump never scales down, so only the attainment is a bound). Which rows reach 95% shows
 how much room before the shift the minutes after it need, whatever a policy does once it knows;
@@ -116,8 +121,27 @@ def main() -> int:
                     cells.append(f"{ok}{r['attainment_ttft']:.1%} / {r['attainment_tpot']:.1%}{ok}, "
                                  f"{r['gpu_hours']:.2f}")
                 print(f"| {counts['prefill']} | {counts['decode']} | {cells[0]} | {cells[1]} |")
+        print(_evidence(sc, perf, cal, fleet, seed))
         print()
     return 0
+
+
+def _ratios(fleet, role: str) -> list[tuple[float, float]]:
+    """[(demand / level, at)] of tandem's decisions for ``role``."""
+    return [(i["demand"] / i["level"], d.at) for d in fleet.decisions
+            if (i := d.role(role).inputs).get("level")]
+
+
+def _evidence(sc: S.Scenario, perf: PerfModel, cal, fleet, seed: int) -> str:
+    known_at = S.SHIFT_AT + 15.0
+    lines = ["| role | demand / level at the first tick that can know | highest in diurnal | highest in bursts |",
+             "|---|---|---|---|"]
+    others = {n: R.run_one("tandem", S.build(n, perf, seed), perf, cal)[1] for n in ("diurnal", "bursts")}
+    for role in ROLES:
+        first = [r for r, at in _ratios(fleet, role) if at == known_at]
+        cells = [f"{max(_ratios(f, role))[0]:.2f} (at {max(_ratios(f, role))[1]:.0f} s)" for f in others.values()]
+        lines.append(f"| {role} | {first[0]:.2f} | " + " | ".join(cells) + " |" if first else f"| {role} | - | |")
+    return "\n" + "\n".join(lines)
 
 
 if __name__ == "__main__":
