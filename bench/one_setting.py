@@ -37,6 +37,8 @@ def main() -> int:
                                                           "1 is the tuning seed)")
     ap.add_argument("--jobs", type=at_least_one, default=2, help="processes (default 2)")
     args = ap.parse_args()
+    if args.seed < 0:
+        ap.error(f"--seed must be >= 0 (got {args.seed})")
     if not Path(args.calibration).is_file():
         ap.error(f"--calibration {args.calibration}: no such file")
     t0 = time.time()

@@ -117,7 +117,7 @@ def tune_all(cal_path, jobs: int = 2, policies=None) -> dict:
 
 def table_all(cal_path, tuned: dict, jobs: int = 2, seed: int = 0) -> dict:
     """{scenario: {policy: metrics}} on ``seed`` (0, the evaluation seed) with the tuned knobs."""
-    return _by_seed(cal_path, tuned, jobs, (seed,))[seed]
+    return table_by_seed(cal_path, tuned, (seed,), jobs)[seed]
 
 
 def table_by_seed(cal_path, tuned: dict, seeds, jobs: int = 2) -> dict:
