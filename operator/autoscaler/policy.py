@@ -897,7 +897,9 @@ class Autoscaler:
         sooner. Its wait there is the local prefills queued on each decode replica (decode's waiting
         sequences over its ready replicas, each a local prefill of the mean prompt) plus what one
         more tick of absorbing adds when the prompts arriving need more of the replicas' time than
-        there is (prompts/s per replica x a local prefill's time, the excess over 1, x the tick)."""
+        there is (prompts/s per replica x a local prefill's time, the excess over 1, x the tick), plus
+        its own local prefill. Absorption is decided again every tick, so one tick's growth is what this
+        decision commits the decode replicas to."""
         pre, dec = snap.prefill, snap.decode
         target = self.limits["prefill"].target
         prompt = max(self.sizes["prompt"], 1.0)
