@@ -123,7 +123,8 @@ class Decision:
         prefill, decode: per-role decisions.
         absorb_bursts: prefill on decode workers with headroom (the router's local-prefill path) until
             the next decision, because remote prefill would break the TTFT target while new prefill
-            replicas start (after TokenScale, arXiv 2512.03416).
+            replicas start (after TokenScale, arXiv 2512.03416); behind a deep prefill backlog also
+            past decode's TPOT slack (``Autoscaler(absorb_deep_backlog=)``).
         advisory: the pool is in advisory mode: record, do not act.
         priority: when the GPU budget binds, the role that got the GPUs and why; else None.
     """

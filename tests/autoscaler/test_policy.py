@@ -268,30 +268,36 @@ def test_absorb_past_decode_s_slack_through_a_deep_backlog():
     """Behind a deep prefill backlog (the queue predicts a TTFT over ``absorb_deep_backlog`` = 2 targets)
     the router absorbs even with decode over its band, as long as a prompt prefilled on a decode
     replica would start sooner than in the queue it bypasses: the local prefills queued per decode
-    replica, plus one more tick's excess when the arriving prompts need more than the replicas' time.
-    Issue 25: on the CPU calibration's prompt-shift decode's p90 TPOT sat at 1.2-1.4x its target after
-    the shift, the slack rule refused, and prefill's queue reached 90 s; without the local-queue test
-    the H200 calibration's step sent 7 times the prefill work 2 decode replicas can do to them."""
+    replica, plus one more tick's excess when the arriving prompts need more than the replicas' time,
+    plus its own. Issue 25: on the CPU calibration's prompt-shift decode's p90 TPOT sat at 1.2-1.4x its
+    target after the shift, the slack rule refused, and prompts waited up to about 100 s; without the
+    local-queue test the H200 calibration's step gave the decode replicas 7 times the prefill work they
+    can do."""
     perf = PerfModel.of(CAL)
     service, stall = perf.remote_prefill_seconds(380), perf.local_prefill_seconds(380)
     waiting = math.ceil(2 * (4 * TTFT / service - 1))        # the queue predicts about 4 targets
-    queued = service * (1 + waiting / 2)
-    assert queued > 2 * TTFT
 
-    def absorbs(arrivals, dec_ready, dec_waiting=0, pre_waiting=waiting, **knobs):
+    def decide(arrivals, dec_ready, dec_waiting=0, pre_waiting=waiting, **knobs):
+        """(absorb, the TTFT the policy's queue predicted, at the capacity factor it learned)."""
         a = Autoscaler(spec(), CAL, **knobs)
-        return a.decide(snap(0, role("prefill", 2, arrivals=arrivals, latency=2 * TTFT, waiting=pre_waiting),
-                             role("decode", dec_ready, arrivals=arrivals, latency=1.3 * TPOT,
-                                  waiting=dec_waiting))).absorb_bursts
+        pre = role("prefill", 2, arrivals=arrivals, latency=2 * TTFT, waiting=pre_waiting)
+        d = a.decide(snap(0, pre, role("decode", dec_ready, arrivals=arrivals, latency=1.3 * TPOT,
+                                       waiting=dec_waiting)))
+        return d.absorb_bursts, a._queued_ttft(pre, service)
     calm = 0.5 / stall                                       # decode replicas busy half their time
-    assert absorbs(calm, 1)
-    assert not absorbs(calm, 1, absorb_deep_backlog=0)       # the slack rule alone refuses (decode over its band)
-    assert not absorbs(calm, 1, pre_waiting=1)               # a shallow queue: 1.5 services, under 2 targets
-    # a local queue already as long as the prefill queue's wait
-    assert not absorbs(calm, 1, dec_waiting=math.ceil(queued / stall))
-    # 7 times the prefill work the decode replicas can do: one more tick (15 s) of it outgrows the queue
-    flood = 7 / stall
-    assert 6 * 15 + stall > queued and not absorbs(flood, 1)
+    absorbed, queued = decide(calm, 1)
+    assert queued > 2 * TTFT and absorbed
+    assert not decide(calm, 1, absorb_deep_backlog=0)[0]     # the slack rule alone refuses (decode over its band)
+    assert not decide(calm, 1, pre_waiting=1)[0]             # a shallow queue, under 2 targets
+    # the local queue: k prefills queued on the one decode replica still start a prompt sooner, k + 1 not
+    k = math.ceil(queued / stall) - 2
+    assert (k + 1) * stall < queued <= (k + 2) * stall
+    assert decide(calm, 1, dec_waiting=k)[0] and not decide(calm, 1, dec_waiting=k + 1)[0]
+    assert decide(calm, 2, dec_waiting=k + 1)[0]            # the same queue over two replicas is half as long
+    # 7 times the prefill work the decode replica can do: one more tick (half the 30 s window on a first
+    # decision) of it outgrows the queue; 1.3 times does not
+    assert 6 * 15 + stall > queued and not decide(7 / stall, 1)[0]
+    assert 0.3 * 15 + stall < queued and decide(1.3 / stall, 1)[0]
 
 
 def test_without_calibration():
