@@ -312,11 +312,8 @@ def _simulate(args) -> int:
 def _yardstick_note(results: dict) -> str:
     """A note for the text output when the plain oracles miss the SLOs where a peer meets them (else "")."""
     from tandem.operator.simulate import run as R
-
-    def meets(n):
-        return min(results[n]["attainment_ttft"], results[n]["attainment_tpot"]) >= R.ATTAINMENT_AIM
-    weak = [n for n in R.YARDSTICKS if n in results and not meets(n)]
-    met = [n for n in results if n not in R.YARDSTICKS and meets(n)]
+    weak = [n for n in R.YARDSTICKS if n in results and not R.meets(results[n])]
+    met = [n for n in results if n not in R.YARDSTICKS and R.meets(results[n])]
     if not (weak and met):
         return ""
     return (f"\n\nnote: {' and '.join(weak)} miss the SLOs here where {', '.join(met)} meet them. They size "
