@@ -8,10 +8,13 @@ and the oldest one inside the window into a :class:`PoolSnapshot`:
 - latency: the percentile of the router's histograms (``role="router"``), from bucket increases summed
   over router replicas: prefill's TTFT of remotely prefilled requests (``prefill="remote"``), decode's
   TPOT (docs/architecture.md: the router sees what the client sees);
-- arrivals: the router's ``tandem:router_routing_decisions_total`` (all decisions for decode, ``remote``
-  for prefill), per second over the window actually covered;
-- demand: prefill workers' ``tandem:prompt_tokens_computed_total`` and decode workers'
-  ``tandem:generation_tokens_total`` per second; running, waiting and KV usage from their gauges;
+- prefill's arrivals and demand: the router's ``tandem:router_requests_received_total`` and
+  ``tandem:router_prompt_tokens_total``, counted as requests arrive, every one of them (a prompt
+  prefilled on a decode worker is prefill's demand too), per second over the window actually covered;
+- decode's arrivals and demand: the router's ``tandem:router_routing_decisions_total`` (counted at the
+  first token, when a request joins decode) and the decode workers' ``tandem:generation_tokens_total``;
+- running, waiting and KV usage from the workers' gauges; waiting leaves out the sequences awaiting
+  their KV from a prefill worker (``tandem:num_requests_awaiting_remote_kv``): they wait on prefill;
 - ``router_queued``: the routers' ``tandem:router_queued_requests``.
 
 Signals (snapshot.py): ``no_data`` when no router answered a fresh scrape, or the router has not been
@@ -42,6 +45,9 @@ from .snapshot import PoolSnapshot, Role, RoleSnapshot
 WorkerState = Literal["ready", "starting", "draining"]
 
 ROUTED = M.ROUTING_DECISIONS + "_total"
+RECEIVED = M.ROUTER_REQUESTS + "_total"
+PROMPT_TOKENS = M.ROUTER_PROMPT_TOKENS + "_total"
+GENERATED = M.GENERATION_TOKENS + "_total"
 #: consecutive failed scrapes after which a worker that has answered is no longer counted as capacity
 #: (the router likewise takes a worker out of routing after two missed health polls)
 MISSED_SCRAPES = 2
@@ -174,29 +180,30 @@ class PodsSource:
                       unresponsive=counts["unresponsive"])
         if no_data:
             return RoleSnapshot(signal="no_data", window_s=span, **common)
+        buckets, arrivals, demand = {}, 0.0, 0.0
         if role == "prefill":
-            buckets, arrivals = {}, 0.0
+            # every accepted prompt is prefill's demand, wherever it is prefilled, counted on arrival
             for n, b in fresh:
                 buckets = add_buckets(buckets, buckets_delta(n, b, TTFT, role="router", prefill="remote"))
-                arrivals += counter_delta(n, b, ROUTED, role="router", decision="remote")
-            demand_name = M.PROMPT_TOKENS_COMPUTED + "_total"
+                arrivals += counter_delta(n, b, RECEIVED, role="router")
+                demand += counter_delta(n, b, PROMPT_TOKENS, role="router")
         else:
-            buckets, arrivals = {}, 0.0
             for n, b in fresh:
                 buckets = add_buckets(buckets, buckets_delta(n, b, TPOT, role="router"))
                 arrivals += counter_delta(n, b, ROUTED, role="router")
-            demand_name = M.GENERATION_TOKENS + "_total"
         finished = sum(counter_delta(n, b, E2E_COUNT, role="router") for n, b in fresh)
         latency = histogram_quantile(self.percentiles[role] / 100.0, buckets) if buckets else None
-        demand = running = waiting = 0.0
+        running = waiting = 0.0
         kv: list[float] = []
         for w in workers:
             new, base = self._pair(w.url, now)
             if new is None:
                 continue
-            demand += counter_delta(new, base, demand_name)
+            if role == "decode":
+                demand += counter_delta(new, base, GENERATED)
             running += new.sum(M.RUNNING)
-            waiting += new.sum(M.WAITING)
+            # a sequence awaiting its KV from a prefill worker is in prefill's queue, not decode's
+            waiting += new.sum(M.WAITING) - new.sum(M.AWAITING_KV)
             if w.state == "ready":
                 kv.append(new.sum(M.KV_USAGE))
         # a request the router holds is demand, not idleness: it waits for exactly these workers

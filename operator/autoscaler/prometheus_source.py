@@ -9,8 +9,11 @@ handle counter resets; ``histogram_quantile`` is the same interpolation):
   ``tandem:request_time_per_output_token_seconds_bucket``. ``spec.autoscaling.metrics.queries.ttft`` and
   ``.tpot`` replace them (any PromQL answering seconds; ``$pool``, ``$window`` and ``$quantile`` are
   substituted);
-- arrivals from ``tandem:router_routing_decisions_total``, demand from the workers' token counters,
-  running, waiting and KV usage from their gauges, ``router_queued`` from the routers' gauge.
+- prefill's arrivals and demand from the routers' ``tandem:router_requests_received_total`` and
+  ``tandem:router_prompt_tokens_total`` (counted on arrival), decode's from
+  ``tandem:router_routing_decisions_total`` and the decode workers' ``tandem:generation_tokens_total``;
+  running, waiting (less ``tandem:num_requests_awaiting_remote_kv``) and KV usage from the workers'
+  gauges, ``router_queued`` from the routers' gauge.
 
 Signals: ``no_data`` when Prometheus does not answer, or holds no current router series of the pool
 (a failed or stale scrape leaves the instant vector empty: Prometheus' staleness handling); ``idle``
@@ -161,12 +164,16 @@ class PrometheusSource:
         finished = self._scalar(f"sum(increase({M.E2E}_count{r}[{w}]))", now) or 0.0
         roles = {}
         for role in ("prefill", "decode"):
-            routed = self._sel("router", decision="remote") if role == "prefill" else r
-            arrivals = self._scalar(f"sum(rate({M.ROUTING_DECISIONS}_total{routed}[{w}]))", now) or 0.0
-            counter = (M.PROMPT_TOKENS_COMPUTED if role == "prefill" else M.GENERATION_TOKENS) + "_total"
-            demand = self._scalar(f"sum(rate({counter}{self._sel(role)}[{w}]))", now) or 0.0
+            # as pods_source.py reads them: prefill's from the router on arrival, decode's at the first token
+            if role == "prefill":
+                arrivals = self._scalar(f"sum(rate({M.ROUTER_REQUESTS}_total{r}[{w}]))", now) or 0.0
+                demand = self._scalar(f"sum(rate({M.ROUTER_PROMPT_TOKENS}_total{r}[{w}]))", now) or 0.0
+            else:
+                arrivals = self._scalar(f"sum(rate({M.ROUTING_DECISIONS}_total{r}[{w}]))", now) or 0.0
+                demand = self._scalar(f"sum(rate({M.GENERATION_TOKENS}_total{self._sel(role)}[{w}]))", now) or 0.0
             running = self._scalar(f"sum({M.RUNNING}{self._sel(role)})", now) or 0.0
-            waiting = self._scalar(f"sum({M.WAITING}{self._sel(role)})", now) or 0.0
+            waiting = (self._scalar(f"sum({M.WAITING}{self._sel(role)})", now) or 0.0) \
+                - (self._scalar(f"sum({M.AWAITING_KV}{self._sel(role)})", now) or 0.0)
             kv = self._scalar(f"avg({M.KV_USAGE}{self._sel(role)})", now) or 0.0
             latency = self._scalar(self.latency_query(role), now)
             idle = arrivals == 0 and finished == 0 and running == 0 and waiting == 0 and queued == 0

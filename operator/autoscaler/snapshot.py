@@ -28,11 +28,15 @@ class RoleSnapshot:
         role: ``prefill`` or ``decode``.
         signal: ``ok`` | ``idle`` | ``no_data`` (see module docs).
         window_s: length of the window the rates and percentiles cover (seconds).
-        arrivals_per_s: requests reaching this role per second.
-        prompt_tokens_per_s: new (uncached) prompt tokens computed per second (prefill's demand).
+        arrivals_per_s: requests reaching this role per second: for prefill every request the router
+            accepts, on arrival (wherever it is then prefilled); for decode the requests joining it
+            (at their first token).
+        prompt_tokens_per_s: prompt tokens arriving per second, whole prompts (prefill's demand; the
+            prefix cache's share is not taken off).
         output_tokens_per_s: tokens generated per second (decode's demand).
         running: sequences running, summed over replicas.
-        waiting: sequences queued in the workers, summed over replicas.
+        waiting: sequences queued in the workers, summed over replicas (a decode worker's sequences
+            awaiting their KV from a prefill worker are prefill's queue, not counted here).
         kv_usage: mean KV-cache usage over ready replicas, 0..1.
         latency: the target metric's percentile (seconds); None when no request finished in the window.
         ready: replicas serving.

@@ -169,6 +169,12 @@ def test_decode_scales_up_under_load_then_drains_a_busy_worker(tmp_path):
         assert seen, [(sn.decode, d.decode.reason) for sn, d in shadow.decisions[-5:]]
         assert seen[0][0].decode.signal == "ok"
         assert max(sn.decode.latency or 0 for sn, _ in shadow.decisions) > target * 1.1
+        # prefill's demand through Prometheus: the router's arrivals and their whole prompts, counted on
+        # arrival: the heavy run's 16 tokens a prompt, in the chat template's wrapping (46 tokens in all
+        # in a trial run). A missing series would read 0 tokens
+        fed = [sn.prefill for sn, _ in shadow.decisions if sn.prefill.signal == "ok" and sn.prefill.arrivals_per_s > 0]
+        assert fed, [sn.prefill for sn, _ in shadow.decisions[-3:]]
+        assert 16 <= fed[-1].prompt_tokens_per_s / fed[-1].arrivals_per_s <= 80, fed[-1]
 
         # the load drops to a trickle of long requests (two streams of about 35 s alone, from the single-request
         # TPOT), after the heavy run (still sending: 4000 prompts is more than it reaches) stops. Two

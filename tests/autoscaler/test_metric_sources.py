@@ -11,6 +11,7 @@ import pytest
 
 from tandem.operator.autoscaler.pods_source import PodsSource, Targets, Worker
 from tandem.operator.autoscaler.scrape import histogram_quantile, parse
+from tandem.worker.api import metrics as M
 from tandem.worker.api.metrics import TPOT_BUCKETS, TTFT_BUCKETS, Metrics
 
 
@@ -67,14 +68,21 @@ def test_rates_and_percentiles_come_from_the_window():
     assert snap.decode.signal == "no_data"         # one scrape: no difference yet
     clock.t += 10
     for i in range(10):
+        router.request_received(100)
         router.routing.labels(**router.labels, decision="remote").inc()
         router.observe_request(0.1 if i < 5 else 0.3, 0.1 + 20 * 0.05, 21, prefill="remote")
+    router.request_received(20)
     router.observe_request(9.0, 10.0, 2, prefill="local")   # a local prefill: not the prefill pool's TTFT
     router.routing.labels(**router.labels, decision="short_prompt").inc()
+    for _ in range(4):   # arrived, still queued for prefill: no decision yet (it is counted at the first token)
+        router.request_received(500)
     snap = src.observe(t)
     assert snap.decode.signal == "ok" and snap.prefill.signal == "ok"
     assert snap.decode.window_s == pytest.approx(10)
-    assert snap.prefill.arrivals_per_s == pytest.approx(1.0)
+    # prefill's demand is every prompt that arrived, wherever it is prefilled and whether or not it got
+    # through; decode's arrivals are the requests that reached their first token
+    assert snap.prefill.arrivals_per_s == pytest.approx(1.5)
+    assert snap.prefill.prompt_tokens_per_s == pytest.approx((10 * 100 + 20 + 4 * 500) / 10)
     assert snap.decode.arrivals_per_s == pytest.approx(1.1)
     # p90 TTFT of the 10 remote requests: 5 at 0.1 and 5 at 0.3 -> in the (0.25, 0.3] bucket
     assert 0.25 < snap.prefill.latency <= 0.3
@@ -112,17 +120,35 @@ def test_queued_requests_and_counter_resets():
     src = _source(regs, clock)
     t = Targets(routers=["r"])
     for _ in range(3):
-        router.routing.labels(**router.labels, decision="remote").inc()
+        router.request_received(10)
     src.observe(t)
     clock.t += 10
     fresh = Metrics("router", "p")          # the router restarted: its counters start again at 0
-    fresh.routing.labels(**fresh.labels, decision="remote").inc()
+    fresh.request_received(10)
     fresh.router_queued.set(2)
     regs["r"] = fresh
     snap = src.observe(t)
     assert snap.prefill.arrivals_per_s == pytest.approx(0.1)   # counted from 0, not -2
     assert snap.router_queued == 2
     assert (snap.decode.ready, snap.decode.starting) == (0, 0)
+
+
+def test_decode_s_queue_leaves_out_what_awaits_prefill():
+    """A decode worker's waiting gauge counts the sequences awaiting their KV from a prefill worker (as
+    vLLM's does); decode's queue in the snapshot does not: they wait on prefill, whose queue holds them.
+    The worker's exposition is written out here (a stand-in for a worker with sequences in each state:
+    the real gauges are checked on a real decode worker in tests/serving/test_abuse.py)."""
+    router = Metrics("router", "p")
+    worker = (f'{M.RUNNING}{{role="decode",pool="p"}} 2\n{M.WAITING}{{role="decode",pool="p"}} 5\n'
+              f'{M.AWAITING_KV}{{role="decode",pool="p"}} 3\n')
+    texts = {"r": lambda: router.render().decode(), "d": lambda: worker}
+    clock = Clock()
+    src = PodsSource(10.0, {}, fetch=lambda url, timeout: texts[url](), clock=clock)
+    t = Targets(routers=["r"], decode=[Worker("d")])
+    src.observe(t)
+    clock.t += 10
+    snap = src.observe(t)
+    assert (snap.decode.running, snap.decode.waiting) == (2, 2)
 
 
 def test_parse_rejects_garbage():

@@ -73,6 +73,7 @@ class RouterScript:
                 carry += self.rate * 0.5
                 while carry >= 1:
                     carry -= 1
+                    self.m.request_received(256)
                     self.m.routing.labels(**self.m.labels, decision="remote").inc()
                     self.m.observe_request(self.ttft, self.ttft + 31 * self.tpot, 32, prefill="remote")
                 if url:

@@ -70,6 +70,7 @@ def idle(url: str, timeout: float = 120.0) -> dict:
     assert h["kv_cache_usage"] == 0.0 and h["free_blocks"] == h["num_blocks"], h
     assert metric(url, "tandem:num_requests_running") == 0
     assert metric(url, "tandem:num_requests_waiting") == 0
+    assert metric(url, "tandem:num_requests_awaiting_remote_kv") == 0
     return h
 
 
@@ -183,6 +184,10 @@ def test_client_leaving_while_kv_is_awaited_or_arriving(fleet, blocks, state):
                    + str(len(body)).encode() + b"\r\n\r\n" + body)
     assert peer.connected.wait(30)
     assert requests.get(decode + "/health", timeout=5).json()["kv_cache_usage"] > 0   # blocks reserved
+    # the wait is prefill's: the decode worker's waiting gauge counts it, and names it awaiting KV, which
+    # the autoscaler's sources leave out of decode's queue
+    assert metric(decode, "tandem:num_requests_awaiting_remote_kv") == 1
+    assert metric(decode, "tandem:num_requests_waiting") >= 1
     client.close()
     idle(decode)
     assert metric(decode, "tandem:request_aborts_total", state=state) == before + 1

@@ -31,7 +31,12 @@ def test_paris_through_remote_prefill(fleet, both_worker):
     (prefill,), (decode,) = urls(fleet, "prefill"), urls(fleet, "decode")
     decode_computed = metric(decode, "tandem:prompt_tokens_computed_total")
     prefill_computed = metric(prefill, "tandem:prompt_tokens_computed_total")
+    received = metric(fleet.endpoint, "tandem:router_requests_received_total")
+    prompt_tokens = metric(fleet.endpoint, "tandem:router_prompt_tokens_total")
     text, body = chat(fleet.endpoint, QUESTION)
+    # the router counts each request and its whole prompt on arrival (the autoscaler's prefill demand)
+    assert metric(fleet.endpoint, "tandem:router_requests_received_total") == received + 1
+    assert metric(fleet.endpoint, "tandem:router_prompt_tokens_total") == prompt_tokens + body["usage"]["prompt_tokens"]
     assert "Paris" in text
     assert body["usage"]["prompt_tokens"] > 0 and body["usage"]["completion_tokens"] > 0
     # the KV was computed on the prefill worker and used, not recomputed, by the decode worker

@@ -19,10 +19,13 @@ TPOT = "tandem:request_time_per_output_token_seconds"
 E2E = "tandem:e2e_request_latency_seconds"
 ROUTING_DECISIONS = "tandem:router_routing_decisions"
 ROUTER_QUEUED = "tandem:router_queued_requests"
+ROUTER_REQUESTS = "tandem:router_requests_received"
+ROUTER_PROMPT_TOKENS = "tandem:router_prompt_tokens"
 PROMPT_TOKENS_COMPUTED = "tandem:prompt_tokens_computed"
 GENERATION_TOKENS = "tandem:generation_tokens"
 RUNNING = "tandem:num_requests_running"
 WAITING = "tandem:num_requests_waiting"
+AWAITING_KV = "tandem:num_requests_awaiting_remote_kv"
 KV_USAGE = "tandem:kv_cache_usage_perc"
 
 # The autoscaler reads percentiles from these buckets (linear interpolation inside a bucket, as
@@ -83,6 +86,14 @@ class Metrics:
                                 names + ["finished_reason"], registry=r)
         self.routing = Counter(ROUTING_DECISIONS, "Router decisions and why.",
                                names + ["decision"], registry=r)
+        # counted when a request is accepted, before it is routed: the autoscaler's demand is what
+        # arrives, not what got through (routing decisions are counted at the first token, which a
+        # backlog delays)
+        self.router_requests = Counter(ROUTER_REQUESTS, "Requests the router accepted (valid, within the "
+                                       "context limit), counted on arrival.", names, registry=r).labels(**self.labels)
+        self.router_prompt_tokens = Counter(ROUTER_PROMPT_TOKENS, "Prompt tokens of the requests the router "
+                                            "accepted, counted on arrival (whole prompts: the prefix cache's "
+                                            "share included).", names, registry=r).labels(**self.labels)
         self.router_queued = Gauge(ROUTER_QUEUED, "Requests the router holds for lack of "
                                    "a ready worker.", names, registry=r).labels(**self.labels)
         self.router_stream_errors = Counter(
@@ -122,6 +133,11 @@ class Metrics:
                 self.router_stream_resumes.labels(**self.labels, outcome=outcome)
         if engine is not None:
             r.register(_EngineCollector(engine, self.labels))
+
+    def request_received(self, prompt_tokens: int) -> None:
+        """(router) Count one accepted request of ``prompt_tokens`` prompt tokens, on its arrival."""
+        self.router_requests.inc()
+        self.router_prompt_tokens.inc(prompt_tokens)
 
     def observe_request(self, ttft: float | None, e2e: float, num_output_tokens: int,
                         itls: list[float] | None = None, prefill: str | None = None) -> None:
@@ -197,7 +213,9 @@ class _EngineCollector:
             aborts.add_metric(values + [state], st.aborts.get(state, 0))
         yield aborts
         yield gauge(RUNNING, "Sequences in the running batch.", len(e.scheduler.running))
-        yield gauge(WAITING, "Sequences queued (or awaiting remote KV).",
-                    e.scheduler.num_waiting())
+        yield gauge(WAITING, "Sequences not running: queued (for prefill, or for room in the batch) or "
+                    "awaiting remote KV.", e.scheduler.num_waiting())
+        yield gauge(AWAITING_KV, "Sequences awaiting their prompt's KV from a prefill worker (part of "
+                    f"{WAITING}).", len(e.scheduler.remote))
         yield gauge(KV_USAGE, "Fraction of KV blocks held by requests (0..1).", bm.usage())
         yield gauge("tandem:kv_cache_free_blocks", "KV blocks free or cached-free.", bm.num_free_blocks)

@@ -291,6 +291,7 @@ class Router:
                 field = "messages" if chat else "prompt"
                 return json_error(f"{field}: this model's maximum context length is {limit} tokens; the "
                                   f"prompt has {len(ids)} tokens", 400, field)
+            self.metrics.request_received(len(ids))
             by_fp: dict[str, list[bytes]] = {}
 
             def hashes_for(w) -> list[bytes]:
