@@ -209,9 +209,10 @@ class Autoscaler:
             either way) the second half's TPOT attainment fell 51.8% -> 44.4%. Without the
             local-queue test the H200 calibration's step gave the decode replicas 7 times the
             prefill work they can do (TTFT / TPOT 91.7% / 89.8%); with it, nothing there moves. All of
-            this is simulated; the real metric sources read decode's ``waiting`` and prefill's
-            ``arrivals_per_s`` as the simulator does (docs/autoscaler-actuation.md), but no real-process
-            test drives a backlog this deep.
+            this is simulated. The real metric sources read decode's ``waiting`` and prefill's
+            ``arrivals_per_s`` as the simulator does (docs/autoscaler-actuation.md), and
+            ``test_fleet_autoscaling.py::test_a_deep_prefill_backlog_is_prefilled_on_the_decode_worker``
+            checks on real processes that the rule fires and the router acts on it.
         recurring: confirmation and cancelling apply to isolated bursts only: while the role's
             recommendation was above its count within the last ``recurring_windows`` scale-down windows
             (before the confirmation span), another rise is load coming back, and scales up at once. An

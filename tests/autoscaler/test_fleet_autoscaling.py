@@ -5,6 +5,7 @@ On 2 cores more replicas do not lower latency: these tests check the control loo
 TPOT breach, drain then stop on the way down, wake from zero), not a speed-up."""
 from __future__ import annotations
 
+import concurrent.futures as cf
 import contextlib
 import json
 import os
@@ -365,6 +366,77 @@ def test_a_crashed_worker_does_not_freeze_the_autoscaler():
         assert wait_for(lambda: victim.state == "ready" and new[0].state == "ready", timeout=150, interval=0.5)
         assert not victim.crashed
         assert wait_for(lambda: any(d["decode"]["ready"] == 2 for d in list(loop.decisions)[n:]), timeout=30)
+    finally:
+        loop.stop()
+        fleet.stop(grace=10)
+
+
+class _Recorded:
+    """The policy, keeping each snapshot it was given beside its decision (the decision records in
+    ``FleetAutoscaler.decisions`` keep no queues)."""
+
+    def __init__(self, policy: Autoscaler):
+        self.policy, self.seen = policy, []
+
+    def decide(self, snap):
+        d = self.policy.decide(snap)
+        self.seen.append((snap, d))
+        return d
+
+
+@pytest.mark.timeout(420)
+def test_a_deep_prefill_backlog_is_prefilled_on_the_decode_worker():
+    """The deep-backlog rule (``Autoscaler(absorb_deep_backlog=)``) on real processes, read by the real
+    pods source: a flood of 400-token prompts queues on the one prefill worker, far past twice the TTFT
+    target, while decode's p90 TPOT is over its target (an unreachable one: past decode's slack, so only
+    this rule can absorb). The policy asks for absorption and the router then prefills new prompts on
+    the decode worker (``absorb_burst`` decisions).
+
+    Failed before the sources read decode's queue without the sequences awaiting their KV from the
+    prefill worker: those are prefill's backlog, and counted as local prefills queued on the decode
+    worker they made a prompt's start there look as late as the queue's, so the rule refused."""
+    fleet = _fleet({"spec.model.dtype": "float32", "spec.engine.kvCache": {"bytes": "1Gi"},
+                    "spec.prefill": {"resources": CPU, "autoscaling": {
+                        "enabled": True, "minReplicas": 1, "maxReplicas": 1,
+                        "target": {"metric": "ttft", "percentile": 90, "seconds": 0.5}}},
+                    "spec.decode": {"resources": CPU, "autoscaling": {
+                        "enabled": True, "minReplicas": 1, "maxReplicas": 1,
+                        "target": {"metric": "tpot", "percentile": 90, "seconds": 0.002}}}}, "asdeep")
+    cal = Calibration.load(CALIBRATION)
+    policy = _Recorded(Autoscaler(fleet.pool.spec, cal, startup_s=20))
+    loop = FleetAutoscaler(fleet, window_s=WINDOW_S, interval_s=2, policy=policy)
+    words = ("river", "mountain", "harbour", "lantern", "meadow", "copper", "violet", "engine", "orchard",
+             "signal", "valley", "thunder")
+
+    def send(i: int, n: int = 300, max_tokens: int = 4) -> None:
+        text = f"Case {i}: " + " ".join(words[(i * 7 + k * 5) % len(words)] for k in range(n))
+        r = requests.post(fleet.endpoint + "/v1/completions", timeout=300, json={
+            "model": MODEL, "prompt": text, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+
+    try:
+        for i in range(2):    # decode's TPOT in the first windows
+            send(i, 20, 12)
+        loop.start()
+        absorbed = lambda: metric(fleet.endpoint, "tandem:router_routing_decisions_total",  # noqa: E731
+                                  decision="absorb_burst")
+        before = absorbed()
+        with contextlib.ExitStack() as stack:
+            pool = stack.enter_context(cf.ThreadPoolExecutor(24))
+            flood = [pool.submit(send, 100 + i) for i in range(16)]
+            on = wait_for(lambda: fleet.absorb_bursts, timeout=120, interval=0.2)
+            assert on, [(s.prefill, s.decode, d.absorb_bursts) for s, d in policy.seen[-4:]]
+            # while absorbing, prompts go to the decode worker
+            wave = [pool.submit(send, 200 + i) for i in range(4)]
+            for f in flood + wave:
+                f.result()
+        s = next(s for s, d in list(policy.seen) if d.absorb_bursts)
+        band = fleet.pool.spec.decode.autoscaling.target.seconds * 0.9
+        # past decode's slack (its p90 TPOT over the band), behind prefill's queue; decode's own queue
+        # holds none of the prompts awaiting prefill
+        assert s.decode.latency is not None and s.decode.latency > band, s.decode
+        assert s.prefill.waiting >= 2 and s.decode.waiting == 0, (s.prefill, s.decode)
+        assert absorbed() > before
     finally:
         loop.stop()
         fleet.stop(grace=10)
