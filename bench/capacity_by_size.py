@@ -1,6 +1,6 @@
 """How far each role's capacity model is from the simulator's, by pool size and calibration (issue 25:
 whether one learned capacity factor per role can be right at every size, and how far each role's probe
-must take it; docs/autoscaler.md, "The factor learned at the peak, used at the trough" for decode and
+must take it; docs/autoscaler-issue25.md, "The factor learned at the peak, used at the trough" for decode and
 "Prefill's factor is a different error on each calibration" for prefill).
 
     PYTHONSAFEPATH=1 .venv/bin/python bench/capacity_by_size.py [--role decode|prefill] \

@@ -1,5 +1,5 @@
 """What decode's capacity probe sees when it raises the capacity factor, against what the model predicts
-(issue 25; docs/autoscaler.md, "The factor learned at the peak, used at the trough").
+(issue 25; docs/autoscaler-issue25.md, "The factor learned at the peak, used at the trough").
 
     PYTHONSAFEPATH=1 .venv/bin/python bench/decode_probe_evidence.py \
         [--calibration bench/calibrations/smollm2-cpu-scenarios.yaml] [--seeds 0,1] [--detail diurnal:0]

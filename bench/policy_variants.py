@@ -100,7 +100,7 @@ def main() -> None:
                 print(f"| {label} | {json.dumps(v) if v else 'defaults'} | {100 * m['attainment_ttft']:.1f}% | "
                       f"{100 * m['attainment_tpot']:.1f}% | {m['gpu_hours']:.2f} | x{ratio:.3f} |")
     # per variant over every input: how often both SLOs are met, and the GPU-hours in all (the held-out
-    # seeds' check of docs/autoscaler.md, "Decode's probe at the cliff")
+    # seeds' check of docs/autoscaler-issue25.md, "Decode's probe at the cliff")
     total = sum(base.values())
     print("\n| variant | both SLOs met | GPU-h in all | / defaults' |")
     print("|---|---|---|---|")

@@ -166,13 +166,13 @@ class Autoscaler:
         hold_service_share, hold_ttft_share: the hold is this share of the calibrated prefill service,
             or that share of the observed p90 TTFT when a queue makes that longer (both 0..1); the p90,
             of the last window, counts at most the TTFT prefill's queue predicts now (:meth:`_queued_ttft`;
-            docs/autoscaler.md, "The hold after a backlog"). A held place is not a running sequence: it
+            docs/autoscaler-issue25.md, "The hold after a backlog"). A held place is not a running sequence: it
             moves the router's balance, and the next arrivals go to the pool's other replicas, so
             counting the whole time to first token oversized
             decode (issue 10's diurnal scenario, seed 0: 2.5 decode replicas above the reactive oracle,
             GPU-hours x1.15 of it). 0.4 and 0.25 (were 1.0 and 0.5) were the cheapest pair of a grid on
             seed 1 that kept every attainment the old pair met: -8.7% GPU-hours on seed 1, -7.9% on
-            seed 0 (docs/autoscaler.md, "The decode hold's share"). The TTFT share is 0 since the
+            seed 0 (docs/autoscaler-issue25.md, "The decode hold's share"). The TTFT share is 0 since the
             thirtieth session: a queue's wait is shared by every decode replica's held places alike, so
             it moves no balance. What the longer hold did was order decode replicas during a prefill
             backlog, ready only once the backlog's flood had passed (the CPU step at seed 0: 16 decode
@@ -181,7 +181,7 @@ class Autoscaler:
             ungated, a TTFT share of 0 takes step's TPOT at seed 1 to 93.3%). -1.8% GPU-hours on seed
             1 with every attainment kept, -1.5% on seeds 0, 2-4 and 15-19 with the same 33 of 45
             scenario-seeds meeting both SLOs; the H200 (derived) calibration and the Azure code trace
-            x10 within 0.1% (docs/autoscaler.md, "The decode hold without the queue's wait").
+            x10 within 0.1% (docs/autoscaler-issue25.md, "The decode hold without the queue's wait").
         absorb_within_slack: burst absorption only while a local prefill of the mean prompt fits in the
             running sequences' TPOT slack over their output (target x (1 - tolerance) minus the observed
             p90 TPOT, times the mean output tokens): a local prefill stalls the decode batch it joins for
@@ -192,7 +192,7 @@ class Autoscaler:
             share of a replica's time spent prefilling (prompts/s / decode replicas x the stall), the
             p90 TPOT becomes about p90 / (1 - u). One stall that fitted the slack was not enough: at 150
             prompts/s on 6 H200 decode replicas (u = 0.59) absorption took p90 TPOT from 0.011 s to
-            0.043 s for four minutes (docs/autoscaler.md, "Absorption at the rate prompts arrive").
+            0.043 s for four minutes (docs/autoscaler-issue25.md, "Absorption at the rate prompts arrive").
         absorb_deep_backlog: absorb past decode's TPOT slack, while prefill is short and breaking as
             absorption always needs, when prefill's queue predicts a TTFT over this many times its
             target (:meth:`_queued_ttft`) and a prompt would still start sooner on a decode replica:
@@ -641,7 +641,7 @@ class Autoscaler:
         smaller pool: on the CPU calibration's diurnal at seed 0 prefill's factor climbed 1.0 -> 1.52 at
         a steady 7 replicas, past the 1.2 that ``bench/capacity_by_size.py --role prefill`` measures,
         and every rule found that stops it sooner costs the H200 calibration, whose right factor is
-        2.0-2.3 (docs/autoscaler.md, "Prefill's factor is a different error on each calibration"). Low
+        2.0-2.3 (docs/autoscaler-issue25.md, "Prefill's factor is a different error on each calibration"). Low
         latency at low load says nothing about capacity, so it teaches nothing; nor does decode's p90 where
         a replica holds fewer than ``decode_probe_min_slots`` sequences at the SLO (``slots``: the
         model's, for decode; None for prefill), because it sits at the batch-1 step until the cliff.

@@ -625,7 +625,7 @@ class ReactiveOracle(Oracle):
     on a minute's boundary, so it ordered their replicas one tick (15 s) before any policy that sees
     only the present can know of them. That tick decided aims: on the CPU calibration's output-shift at
     seed 1, replicas ordered at 1,200 s (ready at 1,320 s) met minute 22's TPOT, and the same replicas
-    ordered at 1,215 s did not (docs/autoscaler.md, "The reactive oracle's first second")."""
+    ordered at 1,215 s did not (docs/autoscaler-issue25.md, "The reactive oracle's first second")."""
     name = "oracle-reactive"
     ignores_startup = False
     ahead = 0
