@@ -882,41 +882,42 @@ class Autoscaler:
         short = d["prefill"].recommended > pre.ready
         breaking = (pre.latency is not None and not math.isnan(pre.latency) and pre.latency > lp.target) \
             or pre.waiting > pre.ready
+        if not (short and breaking):
+            return False
         band = lq.target * (1 - lq.tolerance)
         dec_ok = dec.latency is None or math.isnan(dec.latency) or dec.latency < band
-        if dec_ok and self.absorb_within_slack and self.perf is not None and pre.arrivals_per_s > 0 \
-                and dec.arrivals_per_s > 0 and dec.latency is not None and not math.isnan(dec.latency):
-            # a local prefill stalls the decode batch it joins for its whole compute: absorb only when
-            # that stall fits in the running sequences' TPOT slack over their output, and when the
-            # stalls of every prompt the router then sends to the decode replicas (all of them, while
-            # absorbing: worker/router/policy.py) leave the decode steps the time to keep the band
-            prompt = pre.prompt_tokens_per_s / pre.arrivals_per_s
-            output = dec.output_tokens_per_s / dec.arrivals_per_s
-            stall = self.perf.local_prefill_seconds(prompt)
-            busy = pre.arrivals_per_s / dec.ready * stall
-            dec_ok = stall <= (band - dec.latency) * max(output, 1.0) and busy < 1 \
+        if self.perf is None:
+            return dec_ok
+        # a local prefill of the mean prompt stalls the decode batch it joins for its whole compute;
+        # ``busy`` is the share of each decode replica's time the arriving prompts would take
+        prompt = max(self.sizes["prompt"], 1.0)
+        stall = self.perf.local_prefill_seconds(prompt)
+        busy = pre.arrivals_per_s / dec.ready * stall
+        if dec_ok and self.absorb_within_slack and pre.arrivals_per_s > 0 and dec.arrivals_per_s > 0 \
+                and dec.latency is not None and not math.isnan(dec.latency):
+            # absorb only when that stall fits in the running sequences' TPOT slack over their output,
+            # and when the stalls of every prompt the router then sends to the decode replicas (all of
+            # them, while absorbing: worker/router/policy.py) leave the decode steps the time to keep
+            # the band
+            dec_ok = stall <= (band - dec.latency) * max(self.sizes["output"], 1.0) and busy < 1 \
                 and dec.latency / (1 - busy) <= band
-        if short and breaking and not dec_ok and self.absorb_deep_backlog > 0 and self.perf is not None:
-            return self._deep_backlog(snap)
-        return bool(short and breaking and dec_ok)
+        if not dec_ok and self.absorb_deep_backlog > 0:
+            return self._deep_backlog(snap, prompt, stall, busy)
+        return dec_ok
 
-    def _deep_backlog(self, snap: PoolSnapshot) -> bool:
+    def _deep_backlog(self, snap: PoolSnapshot, prompt: float, stall: float, busy: float) -> bool:
         """Whether to absorb past decode's slack (``absorb_deep_backlog``): prefill's queue predicts a
         TTFT over that many targets, and a prompt prefilled on a decode replica would still start
         sooner. Its wait there is the local prefills queued on each decode replica (decode's waiting
-        sequences over its ready replicas, each a local prefill of the mean prompt) plus what one
-        more tick of absorbing adds when the prompts arriving need more of the replicas' time than
-        there is (prompts/s per replica x a local prefill's time, the excess over 1, x the tick), plus
-        its own local prefill. Absorption is decided again every tick, so one tick's growth is what this
-        decision commits the decode replicas to."""
+        sequences over its ready replicas, each a local prefill of the mean prompt: ``stall`` seconds)
+        plus what one more tick of absorbing adds when the prompts arriving need more of the replicas'
+        time than there is (``busy``, prompts/s per replica x ``stall``: the excess over 1, x the
+        tick), plus its own local prefill. Absorption is decided again every tick, so one tick's growth
+        is what this decision commits the decode replicas to. ``prompt``: the mean prompt (tokens)."""
         pre, dec = snap.prefill, snap.decode
-        target = self.limits["prefill"].target
-        prompt = max(self.sizes["prompt"], 1.0)
         queued = self._queued_ttft(pre, self.perf.remote_prefill_seconds(prompt))
-        if queued is None or queued <= self.absorb_deep_backlog * target:
+        if queued is None or queued <= self.absorb_deep_backlog * self.limits["prefill"].target:
             return False
-        stall = self.perf.local_prefill_seconds(prompt)
-        busy = pre.arrivals_per_s / dec.ready * stall
         tick = snap.at - self.last.at if self.last is not None and snap.at > self.last.at else pre.window_s / 2
         local = dec.waiting / dec.ready * stall + max(0.0, busy - 1.0) * tick + stall
         return local < queued
