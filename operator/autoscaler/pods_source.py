@@ -13,8 +13,12 @@ and the oldest one inside the window into a :class:`PoolSnapshot`:
   prefilled on a decode worker is prefill's demand too), per second over the window actually covered;
 - decode's arrivals and demand: the router's ``tandem:router_routing_decisions_total`` (counted at the
   first token, when a request joins decode) and the decode workers' ``tandem:generation_tokens_total``;
-- running, waiting and KV usage from the workers' gauges; waiting leaves out the sequences awaiting
-  their KV from a prefill worker (``tandem:num_requests_awaiting_remote_kv``): they wait on prefill;
+- running, waiting and KV usage from the workers' gauges, as :func:`decode_queue` reads them: decode's
+  waiting leaves out the sequences awaiting their KV from a prefill worker
+  (``tandem:num_requests_awaiting_remote_kv``: they wait on prefill) and counts its local prefills
+  (``tandem:num_requests_prefilling``) as waiting, not running;
+- a router without the arrival counters (an older image) gives prefill's arrivals from its ``remote``
+  routing decisions and prefill's demand from the prefill workers' ``tandem:prompt_tokens_computed_total``;
 - ``router_queued``: the routers' ``tandem:router_queued_requests``.
 
 Signals (snapshot.py): ``no_data`` when no router answered a fresh scrape, or the router has not been
@@ -48,6 +52,7 @@ ROUTED = M.ROUTING_DECISIONS + "_total"
 RECEIVED = M.ROUTER_REQUESTS + "_total"
 PROMPT_TOKENS = M.ROUTER_PROMPT_TOKENS + "_total"
 GENERATED = M.GENERATION_TOKENS + "_total"
+COMPUTED = M.PROMPT_TOKENS_COMPUTED + "_total"
 #: consecutive failed scrapes after which a worker that has answered is no longer counted as capacity
 #: (the router likewise takes a worker out of routing after two missed health polls)
 MISSED_SCRAPES = 2
@@ -71,6 +76,18 @@ class Targets:
 
     def workers(self, role: Role) -> list[Worker]:
         return self.prefill if role == "prefill" else self.decode
+
+
+def decode_queue(value: Callable[[str], float], role: Role) -> tuple[float, float]:
+    """(running, waiting) of one worker, from ``value(metric name)``, as the simulator counts them
+    (operator/simulate/fleet.py): a decode worker's sequences awaiting their KV from a prefill worker
+    are prefill's queue, not its own, and its prompts still being prefilled there (local prefills) are
+    waiting for decode, not running. A prefill worker's gauges are taken as they are. Never below 0."""
+    running, waiting = value(M.RUNNING), value(M.WAITING) - value(M.AWAITING_KV)
+    if role == "decode":
+        prefilling = value(M.PREFILLING)
+        running, waiting = running - prefilling, waiting + prefilling
+    return max(0.0, running), max(0.0, waiting)
 
 
 def fetch_metrics(url: str, timeout: float) -> str:
@@ -168,26 +185,35 @@ class PodsSource:
         spans = [n.at - b.at for n, b in fresh if b is not None]
         span = max(spans) if spans else 0.0
         no_data = not fresh or span < self.window_s / 2
-        roles = {r: self._role(r, targets, fresh, span, no_data, now, queued) for r in ("prefill", "decode")}
+        # every accepted prompt is prefill's demand, wherever it is prefilled, counted on arrival; a
+        # router older than those counters gives the remote decisions and the prefill workers' computed
+        # tokens, as before them
+        if any(RECEIVED in n.samples for n, _ in fresh):
+            received = sum(counter_delta(n, b, RECEIVED, role="router") for n, b in fresh)
+            tokens: Optional[float] = sum(counter_delta(n, b, PROMPT_TOKENS, role="router") for n, b in fresh)
+        else:
+            received = sum(counter_delta(n, b, ROUTED, role="router", decision="remote") for n, b in fresh)
+            tokens = None
+        roles = {r: self._role(r, targets, fresh, span, no_data, now, queued, received, tokens)
+                 for r in ("prefill", "decode")}
         return PoolSnapshot(at=now, prefill=roles["prefill"], decode=roles["decode"], router_queued=queued,
                             rolling_out=rolling_out)
 
     def _role(self, role: Role, targets: Targets, fresh, span: float, no_data: bool, now: float,
-              queued: int) -> RoleSnapshot:
+              queued: int, received: float, tokens: Optional[float]) -> RoleSnapshot:
         workers = targets.workers(role)
         counts = collections.Counter("unresponsive" if self.unresponsive(w) else w.state for w in workers)
         common = dict(role=role, ready=counts["ready"], starting=counts["starting"], draining=counts["draining"],
                       unresponsive=counts["unresponsive"])
         if no_data:
             return RoleSnapshot(signal="no_data", window_s=span, **common)
-        buckets, arrivals, demand = {}, 0.0, 0.0
+        buckets: dict = {}
         if role == "prefill":
-            # every accepted prompt is prefill's demand, wherever it is prefilled, counted on arrival
+            arrivals, demand = received, tokens or 0.0
             for n, b in fresh:
                 buckets = add_buckets(buckets, buckets_delta(n, b, TTFT, role="router", prefill="remote"))
-                arrivals += counter_delta(n, b, RECEIVED, role="router")
-                demand += counter_delta(n, b, PROMPT_TOKENS, role="router")
         else:
+            arrivals = demand = 0.0
             for n, b in fresh:
                 buckets = add_buckets(buckets, buckets_delta(n, b, TPOT, role="router"))
                 arrivals += counter_delta(n, b, ROUTED, role="router")
@@ -201,13 +227,16 @@ class PodsSource:
                 continue
             if role == "decode":
                 demand += counter_delta(new, base, GENERATED)
-            running += new.sum(M.RUNNING)
-            # a sequence awaiting its KV from a prefill worker is in prefill's queue, not decode's
-            waiting += new.sum(M.WAITING) - new.sum(M.AWAITING_KV)
+            elif tokens is None:
+                demand += counter_delta(new, base, COMPUTED)
+            run, wait = decode_queue(new.sum, role)
+            running += run
+            waiting += wait
             if w.state == "ready":
                 kv.append(new.sum(M.KV_USAGE))
-        # a request the router holds is demand, not idleness: it waits for exactly these workers
-        idle = arrivals == 0 and finished == 0 and running == 0 and waiting == 0 and queued == 0
+        # a request the router holds is demand, not idleness: it waits for exactly these workers; nor
+        # is a pool whose requests arrived and all await their prefill (decode's own gauges read 0)
+        idle = received == 0 and arrivals == 0 and finished == 0 and running == 0 and waiting == 0 and queued == 0
         return RoleSnapshot(
             signal="idle" if idle else "ok", window_s=span, arrivals_per_s=arrivals / span,
             prompt_tokens_per_s=demand / span if role == "prefill" else 0.0,

@@ -10,10 +10,11 @@ handle counter resets; ``histogram_quantile`` is the same interpolation):
   ``.tpot`` replace them (any PromQL answering seconds; ``$pool``, ``$window`` and ``$quantile`` are
   substituted);
 - prefill's arrivals and demand from the routers' ``tandem:router_requests_received_total`` and
-  ``tandem:router_prompt_tokens_total`` (counted on arrival), decode's from
+  ``tandem:router_prompt_tokens_total`` (counted on arrival; PromQL's ``or`` falls back to the remote
+  routing decisions and the prefill workers' computed tokens for a router without them), decode's from
   ``tandem:router_routing_decisions_total`` and the decode workers' ``tandem:generation_tokens_total``;
-  running, waiting (less ``tandem:num_requests_awaiting_remote_kv``) and KV usage from the workers'
-  gauges, ``router_queued`` from the routers' gauge.
+  running, waiting and KV usage from the workers' gauges (decode's queue as
+  :func:`~.pods_source.decode_queue` reads it), ``router_queued`` from the routers' gauge.
 
 Signals: ``no_data`` when Prometheus does not answer, or holds no current router series of the pool
 (a failed or stale scrape leaves the instant vector empty: Prometheus' staleness handling); ``idle``
@@ -38,7 +39,7 @@ from typing import Callable, Optional
 
 from tandem.worker.api import metrics as M
 
-from .pods_source import Targets, Worker
+from .pods_source import Targets, Worker, decode_queue
 from .snapshot import PoolSnapshot, Role, RoleSnapshot
 
 
@@ -162,21 +163,29 @@ class PrometheusSource:
         r = self._sel("router")
         queued = int(self._scalar(f"sum({M.ROUTER_QUEUED}{r})", now) or 0)
         finished = self._scalar(f"sum(increase({M.E2E}_count{r}[{w}]))", now) or 0.0
+        # as pods_source.py reads them: prefill's on arrival at the router (an older router's remote
+        # decisions and the prefill workers' computed tokens where it lacks the counters), decode's at
+        # the first token
+        pre = self._sel("prefill")
+        received = self._scalar(f"sum(rate({M.ROUTER_REQUESTS}_total{r}[{w}])) or "
+                                f"sum(rate({M.ROUTING_DECISIONS}_total{self._sel('router', decision='remote')}[{w}]))",
+                                now) or 0.0
+        tokens = self._scalar(f"sum(rate({M.ROUTER_PROMPT_TOKENS}_total{r}[{w}])) or "
+                              f"sum(rate({M.PROMPT_TOKENS_COMPUTED}_total{pre}[{w}]))", now) or 0.0
         roles = {}
         for role in ("prefill", "decode"):
-            # as pods_source.py reads them: prefill's from the router on arrival, decode's at the first token
             if role == "prefill":
-                arrivals = self._scalar(f"sum(rate({M.ROUTER_REQUESTS}_total{r}[{w}]))", now) or 0.0
-                demand = self._scalar(f"sum(rate({M.ROUTER_PROMPT_TOKENS}_total{r}[{w}]))", now) or 0.0
+                arrivals, demand = received, tokens
             else:
                 arrivals = self._scalar(f"sum(rate({M.ROUTING_DECISIONS}_total{r}[{w}]))", now) or 0.0
                 demand = self._scalar(f"sum(rate({M.GENERATION_TOKENS}_total{self._sel(role)}[{w}]))", now) or 0.0
-            running = self._scalar(f"sum({M.RUNNING}{self._sel(role)})", now) or 0.0
-            waiting = (self._scalar(f"sum({M.WAITING}{self._sel(role)})", now) or 0.0) \
-                - (self._scalar(f"sum({M.AWAITING_KV}{self._sel(role)})", now) or 0.0)
+            gauges = {name: self._scalar(f"sum({name}{self._sel(role)})", now) or 0.0
+                      for name in (M.RUNNING, M.WAITING, M.AWAITING_KV, M.PREFILLING)}
+            running, waiting = decode_queue(gauges.__getitem__, role)
             kv = self._scalar(f"avg({M.KV_USAGE}{self._sel(role)})", now) or 0.0
             latency = self._scalar(self.latency_query(role), now)
-            idle = arrivals == 0 and finished == 0 and running == 0 and waiting == 0 and queued == 0
+            idle = received == 0 and arrivals == 0 and finished == 0 and running == 0 and waiting == 0 \
+                and queued == 0
             roles[role] = self._counts(
                 role, targets, down, signal="idle" if idle else "ok", window_s=self.window_s, arrivals_per_s=arrivals,
                 prompt_tokens_per_s=demand if role == "prefill" else 0.0,

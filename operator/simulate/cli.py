@@ -319,7 +319,7 @@ def _yardstick_note(results: dict) -> str:
     return (f"\n\nnote: {' and '.join(weak)} miss the SLOs here where {', '.join(met)} meet them. They size "
             "each minute afresh from its load and keep no replica through a quiet minute, so on a bursty "
             "trace a backlog outlives the replicas they add; held to the pool's scaling behavior (--aims) "
-            "they are the yardstick (docs/autoscaler.md, \"The trace's aims, judged\").")
+            "they are the yardstick (docs/autoscaler-issue25.md, \"The trace's aims, judged\").")
 
 
 #: the key of a --tuned file that records what its knobs were tuned for (calibration, SLOs, input)

@@ -414,20 +414,29 @@ def test_a_deep_prefill_backlog_is_prefilled_on_the_decode_worker():
             "model": MODEL, "prompt": text, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
         assert r.status_code == 200, r.text
 
+    (decode,) = [p.url for p in fleet.workers("decode")]
     try:
-        for i in range(2):    # decode's TPOT in the first windows
-            send(i, 20, 12)
+        # the first scrapes first, so that the windows cover the warm-up's TPOT and the whole flood
         loop.start()
+        assert wait_for(lambda: any(sn.decode.signal != "no_data" for sn, _ in list(policy.seen)), timeout=60,
+                        interval=0.2), policy.seen[-2:]
+        for i in range(2):
+            send(i, 20, 12)
         absorbed = lambda: metric(fleet.endpoint, "tandem:router_routing_decisions_total",  # noqa: E731
                                   decision="absorb_burst")
         before = absorbed()
+        prefilling: list[float] = []
         with contextlib.ExitStack() as stack:
             pool = stack.enter_context(cf.ThreadPoolExecutor(24))
             flood = [pool.submit(send, 100 + i) for i in range(16)]
             on = wait_for(lambda: fleet.absorb_bursts, timeout=120, interval=0.2)
             assert on, [(s.prefill, s.decode, d.absorb_bursts) for s, d in policy.seen[-4:]]
-            # while absorbing, prompts go to the decode worker
+            # while absorbing, prompts go to the decode worker, which shows them as prompts it is
+            # prefilling (the sources count those as decode's queue, as the simulator does)
             wave = [pool.submit(send, 200 + i) for i in range(4)]
+            while not all(f.done() for f in wave):
+                prefilling.append(metric(decode, "tandem:num_requests_prefilling"))
+                time.sleep(0.05)
             for f in flood + wave:
                 f.result()
         s = next(s for s, d in list(policy.seen) if d.absorb_bursts)
@@ -437,6 +446,7 @@ def test_a_deep_prefill_backlog_is_prefilled_on_the_decode_worker():
         assert s.decode.latency is not None and s.decode.latency > band, s.decode
         assert s.prefill.waiting >= 2 and s.decode.waiting == 0, (s.prefill, s.decode)
         assert absorbed() > before
+        assert max(prefilling) >= 1, prefilling
     finally:
         loop.stop()
         fleet.stop(grace=10)

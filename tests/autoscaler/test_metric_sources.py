@@ -133,22 +133,75 @@ def test_queued_requests_and_counter_resets():
     assert (snap.decode.ready, snap.decode.starting) == (0, 0)
 
 
-def test_decode_s_queue_leaves_out_what_awaits_prefill():
-    """A decode worker's waiting gauge counts the sequences awaiting their KV from a prefill worker (as
-    vLLM's does); decode's queue in the snapshot does not: they wait on prefill, whose queue holds them.
-    The worker's exposition is written out here (a stand-in for a worker with sequences in each state:
-    the real gauges are checked on a real decode worker in tests/serving/test_abuse.py)."""
-    router = Metrics("router", "p")
-    worker = (f'{M.RUNNING}{{role="decode",pool="p"}} 2\n{M.WAITING}{{role="decode",pool="p"}} 5\n'
-              f'{M.AWAITING_KV}{{role="decode",pool="p"}} 3\n')
-    texts = {"r": lambda: router.render().decode(), "d": lambda: worker}
+def _gauges(role: str, **values: float) -> str:
+    """A worker's exposition with these gauges (a stand-in for a worker with sequences in each state:
+    the real gauges are checked on real workers in tests/serving/test_abuse.py and the fleet tests)."""
+    return "".join(f'{getattr(M, k)}{{role="{role}",pool="p"}} {v}\n' for k, v in values.items())
+
+
+def _two_scrapes(texts: dict, t: Targets, between=lambda: None):
     clock = Clock()
     src = PodsSource(10.0, {}, fetch=lambda url, timeout: texts[url](), clock=clock)
-    t = Targets(routers=["r"], decode=[Worker("d")])
     src.observe(t)
+    between()
     clock.t += 10
-    snap = src.observe(t)
-    assert (snap.decode.running, snap.decode.waiting) == (2, 2)
+    return src.observe(t)
+
+
+def test_decode_s_queue_is_the_simulator_s():
+    """A decode worker's waiting gauge counts the sequences awaiting their KV from a prefill worker (as
+    vLLM's does), and its running gauge the local prefills it is computing. Decode's queue in the
+    snapshot is the simulator's (operator/simulate/fleet.py): the first wait on prefill, whose queue
+    holds them; the second wait for decode, not yet decoding. A prefill worker's gauges stay as they
+    are."""
+    router = Metrics("router", "p")
+    texts = {"r": lambda: router.render().decode(),
+             "d": lambda: _gauges("decode", RUNNING=4, PREFILLING=1, WAITING=5, AWAITING_KV=3),
+             "p": lambda: _gauges("prefill", RUNNING=2, PREFILLING=2, WAITING=3)}
+    snap = _two_scrapes(texts, Targets(routers=["r"], prefill=[Worker("p")], decode=[Worker("d")]))
+    assert (snap.decode.running, snap.decode.waiting) == (3, 3)
+    assert (snap.prefill.running, snap.prefill.waiting) == (2, 3)
+    # a scrape racing the engine never reads a negative queue
+    texts["d"] = lambda: _gauges("decode", RUNNING=0, WAITING=1, AWAITING_KV=2)
+    snap = _two_scrapes(texts, Targets(routers=["r"], decode=[Worker("d")]))
+    assert (snap.decode.running, snap.decode.waiting) == (0, 0)
+
+
+def test_a_pool_whose_requests_all_await_prefill_is_not_idle():
+    """Requests arrived in the window and every one waits for prefill: decode's own gauges read 0 and no
+    request has reached its first token, but the pool is busy (the simulator's idleness is the pool's
+    arrivals, for both roles)."""
+    router = Metrics("router", "p")
+    texts = {"r": lambda: router.render().decode(), "d": lambda: _gauges("decode", WAITING=3, AWAITING_KV=3)}
+
+    def arrive():
+        for _ in range(3):
+            router.request_received(400)
+    snap = _two_scrapes(texts, Targets(routers=["r"], decode=[Worker("d")]), arrive)
+    assert snap.decode.signal == "ok" and snap.decode.waiting == 0 and snap.decode.arrivals_per_s == 0
+    assert snap.prefill.signal == "ok" and snap.prefill.arrivals_per_s == pytest.approx(0.3)
+
+
+def test_a_router_without_the_arrival_counters_reads_as_before_them():
+    """An older router image (no ``tandem:router_requests_received_total``; the router runs the pool's
+    image, which may lag the operator's): prefill's demand comes from the remote routing decisions and
+    the prefill workers' computed prompt tokens, as before those counters, not 0."""
+    router = Metrics("router", "p")
+    computed = {"n": 0}
+
+    def old_router() -> str:   # the same exposition without the series that router did not have
+        return "\n".join(line for line in router.render().decode().splitlines()
+                         if "router_requests_received" not in line and "router_prompt_tokens" not in line) + "\n"
+    texts = {"r": old_router, "p": lambda: (f'{M.PROMPT_TOKENS_COMPUTED}_total{{role="prefill",pool="p"}} '
+                                             f'{computed["n"]}\n')}
+
+    def serve():
+        for _ in range(4):
+            router.routing.labels(**router.labels, decision="remote").inc()
+        computed["n"] += 4 * 250
+    snap = _two_scrapes(texts, Targets(routers=["r"], prefill=[Worker("p")]), serve)
+    assert snap.prefill.arrivals_per_s == pytest.approx(0.4)
+    assert snap.prefill.prompt_tokens_per_s == pytest.approx(100)
 
 
 def test_parse_rejects_garbage():

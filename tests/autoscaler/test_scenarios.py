@@ -104,7 +104,7 @@ ORACLE_MISSES = "the oracle meets the SLO"   # not an aim of the issue: a check 
 #: held oracle at utilization 1.5 meets 95% at 15.60 GPU-hours, tandem 17.59). Prompt-shift's attainment
 #: (the held oracle at utilization 0.6 meets 95% / 95% at 22.89 GPU-hours) was tandem's own until the
 #: thirty-third session: absorbing through a deep prefill backlog (``absorb_deep_backlog``) meets it,
-#: 95.0% / 95.0% at 14.08 GPU-hours (was 93.3% / 93.3% at 14.51) (docs/autoscaler.md, "Both oracles as
+#: 95.0% / 95.0% at 14.08 GPU-hours (was 93.3% / 93.3% at 14.51) (docs/autoscaler-issue25.md, "Both oracles as
 #: the yardstick", "What the minutes after a shift need").
 TANDEM_OWN: set = {
     ('step', 'beats static'),

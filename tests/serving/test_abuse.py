@@ -71,6 +71,7 @@ def idle(url: str, timeout: float = 120.0) -> dict:
     assert metric(url, "tandem:num_requests_running") == 0
     assert metric(url, "tandem:num_requests_waiting") == 0
     assert metric(url, "tandem:num_requests_awaiting_remote_kv") == 0
+    assert metric(url, "tandem:num_requests_prefilling") == 0
     return h
 
 

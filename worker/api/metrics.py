@@ -26,6 +26,7 @@ GENERATION_TOKENS = "tandem:generation_tokens"
 RUNNING = "tandem:num_requests_running"
 WAITING = "tandem:num_requests_waiting"
 AWAITING_KV = "tandem:num_requests_awaiting_remote_kv"
+PREFILLING = "tandem:num_requests_prefilling"
 KV_USAGE = "tandem:kv_cache_usage_perc"
 
 # The autoscaler reads percentiles from these buckets (linear interpolation inside a bucket, as
@@ -86,14 +87,6 @@ class Metrics:
                                 names + ["finished_reason"], registry=r)
         self.routing = Counter(ROUTING_DECISIONS, "Router decisions and why.",
                                names + ["decision"], registry=r)
-        # counted when a request is accepted, before it is routed: the autoscaler's demand is what
-        # arrives, not what got through (routing decisions are counted at the first token, which a
-        # backlog delays)
-        self.router_requests = Counter(ROUTER_REQUESTS, "Requests the router accepted (valid, within the "
-                                       "context limit), counted on arrival.", names, registry=r).labels(**self.labels)
-        self.router_prompt_tokens = Counter(ROUTER_PROMPT_TOKENS, "Prompt tokens of the requests the router "
-                                            "accepted, counted on arrival (whole prompts: the prefix cache's "
-                                            "share included).", names, registry=r).labels(**self.labels)
         self.router_queued = Gauge(ROUTER_QUEUED, "Requests the router holds for lack of "
                                    "a ready worker.", names, registry=r).labels(**self.labels)
         self.router_stream_errors = Counter(
@@ -122,6 +115,16 @@ class Metrics:
         for reason in ("stop", "length", "abort", "error"):
             self.requests.labels(**self.labels, finished_reason=reason)
         if role == "router":
+            # counted when a request is accepted, before it is routed: the autoscaler's demand is what
+            # arrives, not what got through (routing decisions are counted at the first token, which a
+            # backlog delays)
+            self.router_requests = Counter(
+                ROUTER_REQUESTS, "Requests the router accepted (valid, within the context limit), counted "
+                "on arrival; one answered 503 for want of a ready decode worker counts too (it is demand).",
+                names, registry=r).labels(**self.labels)
+            self.router_prompt_tokens = Counter(
+                ROUTER_PROMPT_TOKENS, "Prompt tokens of the requests the router accepted, counted on arrival "
+                "(whole prompts: the prefix cache's share included).", names, registry=r).labels(**self.labels)
             for decision in ("remote", "short_prompt", "decode_cached", "no_prefill_worker", "model_mismatch",
                              "absorb_burst"):
                 self.routing.labels(**self.labels, decision=decision)
@@ -212,10 +215,18 @@ class _EngineCollector:
         for state in ("queued", "awaiting_kv", "receiving_kv", "running"):
             aborts.add_metric(values + [state], st.aborts.get(state, 0))
         yield aborts
-        yield gauge(RUNNING, "Sequences in the running batch.", len(e.scheduler.running))
+        sch = e.scheduler
+        # the engine thread moves sequences between these while this one reads them: each is read
+        # once, so that a gauge that is part of another never exceeds it in one scrape
+        running = list(sch.running)
+        remote = len(sch.remote)
+        prefilling = sum(1 for q in running if q.in_prefill)
+        yield gauge(RUNNING, "Sequences in the running batch.", len(running))
+        yield gauge(PREFILLING, f"Sequences in the running batch whose prompt is not all computed yet: a "
+                    f"local, chunked or recomputed prefill (part of {RUNNING}).", prefilling)
         yield gauge(WAITING, "Sequences not running: queued (for prefill, or for room in the batch) or "
-                    "awaiting remote KV.", e.scheduler.num_waiting())
+                    "awaiting remote KV.", len(sch.waiting) + remote + len(sch.handed_over))
         yield gauge(AWAITING_KV, "Sequences awaiting their prompt's KV from a prefill worker (part of "
-                    f"{WAITING}).", len(e.scheduler.remote))
+                    f"{WAITING}).", remote)
         yield gauge(KV_USAGE, "Fraction of KV blocks held by requests (0..1).", bm.usage())
         yield gauge("tandem:kv_cache_free_blocks", "KV blocks free or cached-free.", bm.num_free_blocks)

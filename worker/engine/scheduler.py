@@ -70,10 +70,6 @@ class Scheduler:
         else:
             self.handed_over.append(seq)
 
-    def num_waiting(self) -> int:
-        """Sequences not running: queued for prefill, awaiting remote KV, or handed over."""
-        return len(self.waiting) + len(self.remote) + len(self.handed_over)
-
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         self.running.remove(seq)
         self.bm.free_seq(seq)
