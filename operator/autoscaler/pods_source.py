@@ -81,8 +81,9 @@ class Targets:
 def decode_queue(value: Callable[[str], float], role: Role) -> tuple[float, float]:
     """(running, waiting) of one worker, from ``value(metric name)``, as the simulator counts them
     (operator/simulate/fleet.py): a decode worker's sequences awaiting their KV from a prefill worker
-    are prefill's queue, not its own, and its prompts still being prefilled there (local prefills) are
-    waiting for decode, not running. A prefill worker's gauges are taken as they are. Never below 0."""
+    are prefill's queue, not its own (a prefill worker has none), and its prompts still being prefilled
+    there (local prefills) are waiting for decode, not running (a prefill worker's running prompts stay
+    running). Never below 0."""
     running, waiting = value(M.RUNNING), value(M.WAITING) - value(M.AWAITING_KV)
     if role == "decode":
         prefilling = value(M.PREFILLING)

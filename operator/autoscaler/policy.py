@@ -224,7 +224,7 @@ class Autoscaler:
         recurring_windows: that memory in scale-down windows (default 1). Bursts that come back every
             5-8 minutes, as on the Azure code trace, need 3 (first half: 96.3% TTFT attainment at 5.81
             GPU-hours, where hpa-slo has 96.3% at 7.67); on issue 10's scenarios 2 already costs 3.6%
-            more GPU-hours and output-shift's TPOT aim, so the tuned default is 1 (docs/autoscaler.md).
+            more GPU-hours and output-shift's TPOT aim, so the tuned default is 1 (docs/autoscaler-issue25.md).
         burst_quantile: prefill keeps room for the rises in demand it has seen: for each past tick, the
             highest demand within the next start-up time over the level then; prefill's count covers the
             level times this quantile of those rises (over ``burst_lookback_s``), the headroom counting
@@ -233,7 +233,7 @@ class Autoscaler:
             headroom and change nothing. Prefill only: decode absorbs a burst by batching. 0.75 is the
             lowest setting of {0.5, 0.65, 0.7, 0.75, 0.8, 0.9} that meets the TTFT aim on the Azure code
             trace's first half (88.9% -> 96.3% at 5.36 -> 7.06 GPU-hours; hpa-slo: 96.3% at 7.67); on
-            issue 10's scenarios at seed 1 it costs 0.3% more GPU-hours (0 is off; docs/autoscaler.md).
+            issue 10's scenarios at seed 1 it costs 0.3% more GPU-hours (0 is off; docs/autoscaler-issue25.md).
         burst_lookback_s: the span those rises are kept over (seconds).
         decode_room: decode keeps the same room, at this quantile of its own rises (output tokens/s),
             once its p90 TPOT has gone over the target in ``decode_room_breaches`` separate episodes
