@@ -885,7 +885,14 @@ class Autoscaler:
         if not (short and breaking):
             return False
         band = lq.target * (1 - lq.tolerance)
-        dec_ok = dec.latency is None or math.isnan(dec.latency) or dec.latency < band
+        lat = dec.latency
+        if (lat is None or math.isnan(lat)) and dec.running > 0 and self.perf is not None:
+            # no request finished in the window while sequences run (streams longer than the window, or
+            # every one still awaiting its prefill): the calibrated step at the running batch stands in
+            # for the p90, so that absorption stays gated where it cannot be measured
+            lat = self.perf.decode_step_seconds(dec.running / dec.ready,
+                                                self.sizes["prompt"] + self.sizes["output"] / 2)
+        dec_ok = lat is None or math.isnan(lat) or lat < band
         if self.perf is None:
             return dec_ok
         # a local prefill of the mean prompt stalls the decode batch it joins for its whole compute;
@@ -894,13 +901,13 @@ class Autoscaler:
         stall = self.perf.local_prefill_seconds(prompt)
         busy = pre.arrivals_per_s / dec.ready * stall
         if dec_ok and self.absorb_within_slack and pre.arrivals_per_s > 0 and dec.arrivals_per_s > 0 \
-                and dec.latency is not None and not math.isnan(dec.latency):
+                and lat is not None and not math.isnan(lat):
             # absorb only when that stall fits in the running sequences' TPOT slack over their output,
             # and when the stalls of every prompt the router then sends to the decode replicas (all of
             # them, while absorbing: worker/router/policy.py) leave the decode steps the time to keep
             # the band
-            dec_ok = stall <= (band - dec.latency) * max(self.sizes["output"], 1.0) and busy < 1 \
-                and dec.latency / (1 - busy) <= band
+            dec_ok = stall <= (band - lat) * max(self.sizes["output"], 1.0) and busy < 1 \
+                and lat / (1 - busy) <= band
         if not dec_ok and self.absorb_deep_backlog > 0:
             return self._deep_backlog(snap, prompt, stall, busy)
         return dec_ok

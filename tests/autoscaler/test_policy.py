@@ -300,6 +300,28 @@ def test_absorb_past_decode_s_slack_through_a_deep_backlog():
     assert 0.3 * 15 + stall < queued and decide(1.3 / stall, 1)[0]
 
 
+def test_absorption_with_no_tpot_in_the_window_is_gated_by_the_calibrated_step():
+    """No request finished in decode's window (streams longer than it, or all of them still awaiting
+    their prefill: the real-process deep-backlog test met it in a clean-clone run), so decode's p90 TPOT
+    is unknown. With sequences running, the calibrated step at their batch stands in for it, and the
+    slack rule applies as to a measured p90. Before, an unknown p90 let the router absorb whatever the
+    decode replicas were running."""
+    perf = PerfModel.of(CAL)
+    band = 0.9 * TPOT
+    ctx = 32 + 16 / 2
+    stall = perf.local_prefill_seconds(32)
+    # one sequence a replica leaves the slack a local prefill needs; six are over the band
+    assert stall <= (band - perf.decode_step_seconds(1, ctx)) * 16 and perf.decode_step_seconds(6, ctx) > band
+
+    def absorbs(running):
+        a = Autoscaler(spec(), CAL)
+        pre = role("prefill", 2, arrivals=1.0, prompt=32, latency=2 * TTFT, waiting=1)
+        d = a.decide(snap(0, pre, role("decode", 2, arrivals=1.0, prompt=32, latency=math.nan, running=running)))
+        return d.absorb_bursts
+    assert absorbs(0) and absorbs(2)
+    assert not absorbs(12)
+
+
 def test_without_calibration():
     a = Autoscaler(spec())
     d = steady(a, 0, 1.0, 2, 2, pre_lat=2 * TTFT, dec_lat=2 * TPOT)
