@@ -34,9 +34,11 @@ class RoleSnapshot:
         prompt_tokens_per_s: prompt tokens arriving per second, whole prompts (prefill's demand; the
             prefix cache's share is not taken off).
         output_tokens_per_s: tokens generated per second (decode's demand).
-        running: sequences running, summed over replicas.
+        running: sequences running, summed over replicas (for decode, decoding: its local prefills
+            being computed count as waiting).
         waiting: sequences queued in the workers, summed over replicas (a decode worker's sequences
-            awaiting their KV from a prefill worker are prefill's queue, not counted here).
+            awaiting their KV from a prefill worker are prefill's queue, not counted here; its local
+            prefills, queued or being computed, are).
         kv_usage: mean KV-cache usage over ready replicas, 0..1.
         latency: the target metric's percentile (seconds); None when no request finished in the window.
         ready: replicas serving.
