@@ -179,9 +179,9 @@ class PrometheusSource:
             else:
                 arrivals = self._scalar(f"sum(rate({M.ROUTING_DECISIONS}_total{r}[{w}]))", now) or 0.0
                 demand = self._scalar(f"sum(rate({M.GENERATION_TOKENS}_total{self._sel(role)}[{w}]))", now) or 0.0
-            gauges = {name: self._scalar(f"sum({name}{self._sel(role)})", now) or 0.0
-                      for name in (M.RUNNING, M.WAITING, M.AWAITING_KV, M.PREFILLING)}
-            running, waiting = decode_queue(gauges.__getitem__, role)
+            # asked for as decode_queue reads them: a prefill worker's prefilling gauge is not needed
+            running, waiting = decode_queue(lambda name: self._scalar(f"sum({name}{self._sel(role)})", now) or 0.0,
+                                            role)
             kv = self._scalar(f"avg({M.KV_USAGE}{self._sel(role)})", now) or 0.0
             latency = self._scalar(self.latency_query(role), now)
             idle = received == 0 and arrivals == 0 and finished == 0 and running == 0 and waiting == 0 \
