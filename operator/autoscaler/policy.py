@@ -59,6 +59,11 @@ from tandem.worker.api.names import WORKER_ROLES as ROLES
 PROBE_SERVICE_TAIL = 1.0
 
 
+def measured(x) -> bool:
+    """Whether a latency (seconds, or None / NaN when the window had no sample) was measured."""
+    return x is not None and not math.isnan(x)
+
+
 def gpus_per_replica(role_spec) -> int:
     """GPUs one replica of a role requests; a replica that requests none counts as 1 (the CPU fleet's
     stand-in for a GPU, so that budgets and GPU-hours still mean replicas)."""
@@ -445,7 +450,7 @@ class Autoscaler:
         inputs.update(demand=round(demand, 4), level=round(level, 4), forecast=round(forecast, 4), target=target,
                       capacity_factor=round(st.correction, 3), need=need)
         lat = rs.latency
-        if lat is None or (isinstance(lat, float) and math.isnan(lat)):
+        if not measured(lat):
             rec = max(need if need is not None else cur, cur if rs.waiting > 0 else 0)
             return _Sized(rec, f"no latency yet; demand {demand:.3g} needs {rec}", inputs)
         ratio = lat / target
@@ -488,7 +493,7 @@ class Autoscaler:
     def _breach_episodes(self, st: _RoleState, at: float, lat, lim) -> int:
         """How many episodes of latency above the target ended within ``decode_room_memory_s`` (one episode:
         breaches less than a start-up time apart)."""
-        if lat is not None and not math.isnan(lat) and lat > lim.target:
+        if measured(lat) and lat > lim.target:
             if not st.breaches or at - st.breaches[-1][1] > self.startup_s:
                 st.breaches.append([at, at])
             else:
@@ -558,7 +563,7 @@ class Autoscaler:
             # no model: the throughput each ready replica carries now, scaled by the latency headroom
             load = rs.arrivals_per_s if role == "prefill" else rs.output_tokens_per_s
             lat = rs.latency
-            if rs.ready > 0 and lat and lat > 0 and not math.isnan(lat) and load > 0:
+            if rs.ready > 0 and measured(lat) and lat > 0 and load > 0:
                 per = load / rs.ready * min(2.0, lim.target / lat)
                 return load, (lambda x: max(1, math.ceil(x / (per * self.headroom) - 1e-9))), \
                     {"unit": "requests/s" if role == "prefill" else "tokens/s", "per_replica": round(per, 4)}
@@ -582,7 +587,7 @@ class Autoscaler:
         # 16, which the scale-down window then held
         service = self.perf.remote_prefill_seconds(max(prompt, 1.0))
         first = self.hold_service_share * service
-        if pre.latency is not None and not math.isnan(pre.latency):
+        if measured(pre.latency):
             now = self._queued_ttft(pre, service) or service
             first = max(first, self.hold_ttft_share * min(pre.latency, now))
         hold = first / max(output, 1.0) if self.hold_first_token else 0.0
@@ -651,7 +656,7 @@ class Autoscaler:
         the probe's raises by it)."""
         rs, st, lim = snap.role(role), self.state[role], self.limits[role]
         lat = rs.latency
-        known = lat is not None and not math.isnan(lat)
+        known = measured(lat)
         above = known and lat / lim.target > 1 + lim.tolerance
         if st.correction < 1 and not above and st.corrected_at is not None and rs.window_s > 0:
             # A lowered factor is evidence of one overload (on a shared CPU, often the machine's and not
@@ -781,7 +786,7 @@ class Autoscaler:
         # 30 s after prompts grew 4x (prompt-shift, seed 1), 8 waiting on 3 replicas at a learned factor
         # of 1.04 predicted 15.1 s against an 11.5 s band while the window's p90 read 11.2 s, and
         # confirmation held the scale-up another 15 s
-        calm = (lat is not None and not math.isnan(lat) and lat < band
+        calm = (measured(lat) and lat < band
                 and (queued_ttft is None or queued_ttft < band))
         # bursts that recur within a scale-down window are load, not bursts: no confirmation, no cancelling
         memory = self.recurring_windows * lim.down_window
@@ -880,19 +885,19 @@ class Autoscaler:
         if pre.signal != "ok" or dec.signal != "ok" or dec.ready == 0:
             return False
         short = d["prefill"].recommended > pre.ready
-        breaking = (pre.latency is not None and not math.isnan(pre.latency) and pre.latency > lp.target) \
+        breaking = (measured(pre.latency) and pre.latency > lp.target) \
             or pre.waiting > pre.ready
         if not (short and breaking):
             return False
         band = lq.target * (1 - lq.tolerance)
         lat = dec.latency
-        if (lat is None or math.isnan(lat)) and dec.running > 0 and self.perf is not None:
+        if not measured(lat) and dec.running > 0 and self.perf is not None:
             # no request finished in the window while sequences run (streams longer than the window, or
             # every one still awaiting its prefill): the calibrated step at the running batch stands in
             # for the p90, so that absorption stays gated where it cannot be measured
             lat = self.perf.decode_step_seconds(dec.running / dec.ready,
                                                 self.sizes["prompt"] + self.sizes["output"] / 2)
-        dec_ok = lat is None or math.isnan(lat) or lat < band
+        dec_ok = not measured(lat) or lat < band
         if self.perf is None:
             return dec_ok
         # a local prefill of the mean prompt stalls the decode batch it joins for its whole compute;
@@ -901,7 +906,7 @@ class Autoscaler:
         stall = self.perf.local_prefill_seconds(prompt)
         busy = pre.arrivals_per_s / dec.ready * stall
         if dec_ok and self.absorb_within_slack and pre.arrivals_per_s > 0 and dec.arrivals_per_s > 0 \
-                and lat is not None and not math.isnan(lat):
+                and measured(lat):
             # absorb only when that stall fits in the running sequences' TPOT slack over their output,
             # and when the stalls of every prompt the router then sends to the decode replicas (all of
             # them, while absorbing: worker/router/policy.py) leave the decode steps the time to keep
