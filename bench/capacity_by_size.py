@@ -5,7 +5,7 @@ must take it; docs/autoscaler-issue25.md, "The factor learned at the peak, used 
 
     PYTHONSAFEPATH=1 .venv/bin/python bench/capacity_by_size.py [--role decode|prefill] \
         [--calibration bench/calibrations/smollm2-cpu-scenarios.yaml] [--counts 2,3,4,6,8,11,16] \
-        [--duration 3600] [--seed 3]
+        [--duration 3600] [--seed 3[,4...]] [--write]
 
 For each count c of the role measured, a static fleet (c replicas of it; the other role ample: prefill
 at 4c + 8 so that it queues nowhere, or decode at 3c + 8 so that TPOT and the decode replicas' KV never
@@ -22,10 +22,19 @@ at that size.
   step's fixed cost and the KV transfer's tail once, so its utilization can pass 1 where the model's
   cannot.
 The simulator is deterministic, so the figures repeat on any machine.
+
+``--write`` (prefill only) stores the median of the ratios over every count and seed in the
+calibration file as ``capacity.prefill_factor`` (replacing a ``capacity`` section, keeping the rest of
+the file as written): the autoscaler's capacity probe raises prefill's factor no further
+(``Autoscaler._probe_top``). Rerun it whenever the calibration's fits change.
 """
 from __future__ import annotations
 
 import argparse
+import json
+import re
+import statistics
+from pathlib import Path
 from typing import Callable, NamedTuple
 
 from tandem.operator.autoscaler.capacity import PerfModel
@@ -80,20 +89,33 @@ def most(ok, lo: float = 0.0, hi: float = 1.0, iters: int = 12) -> float:
     return lo
 
 
-def model_row(role: str, perf, targets, recs, c: int, sim: float) -> str:
-    """The model's most load for c replicas of ``role`` at the measured load's lengths, and the row."""
+def model_row(role: str, perf, targets, recs, c: int, sim: float) -> tuple[str, float]:
+    """The model's most load for c replicas of ``role`` at the measured load's lengths: (the table's
+    row, simulated / model)."""
     prompt = sum(r["prompt_tokens"] for r in recs) / len(recs)
     hi = ROLES[role].per_replica * c
     if role == "prefill":
         s = perf.remote_prefill_seconds(prompt)
         model = most(lambda r: perf.prefill_replicas(r * s, s, targets["prefill"], 10 ** 5) <= c, hi=hi, iters=30)
-        return f"| {c} | {sim:.3f} | {model:.3f} | {sim / model:.2f} | {sim * s / c:.2f}, {model * s / c:.2f} |"
+        return (f"| {c} | {sim:.3f} | {model:.3f} | {sim / model:.2f} | {sim * s / c:.2f}, {model * s / c:.2f} |",
+                sim / model)
     output = sum(r["output_tokens"] for r in recs) / len(recs)
     share = Autoscaler.__init__.__kwdefaults__["hold_service_share"]
     ctx, hold = prompt + output / 2, share * perf.remote_prefill_seconds(prompt) / max(output, 1.0)
     model = most(lambda r: perf.decode_replicas(r * output, ctx, targets["decode"], 10 ** 5, hold) <= c,
                  hi=hi, iters=30)
-    return f"| {c} | {sim:.3f} | {model:.3f} | {sim / model:.2f} |"
+    return f"| {c} | {sim:.3f} | {model:.3f} | {sim / model:.2f} |", sim / model
+
+
+def write_factor(path: str, factor: float, how: str) -> None:
+    """Replace (or append) the calibration file's top-level ``capacity`` section, leaving every other
+    line, comments included, as it was."""
+    text = Path(path).read_text()
+    block = f"capacity:\n  prefill_factor: {factor:.3g}\n  measured: {json.dumps(how)}\n"
+    pattern = re.compile(r"^capacity:.*?(?=^\S|\Z)", re.S | re.M)
+    text = pattern.sub(block, text) if pattern.search(text) else text.rstrip("\n") + "\n" + block
+    Path(path).write_text(text)
+    Calibration.load(path)   # still a calibration, or ValueError
 
 
 def main() -> None:
@@ -102,8 +124,13 @@ def main() -> None:
     ap.add_argument("--calibration", default=str(DEFAULT_CALIBRATION))
     ap.add_argument("--counts", help="comma-separated replica counts (default: the role's)")
     ap.add_argument("--duration", type=float, default=3600.0)
-    ap.add_argument("--seed", type=int, default=3)
+    ap.add_argument("--seed", default="3", help="a seed, or comma-separated seeds")
+    ap.add_argument("--write", action="store_true",
+                    help="store the median ratio in the calibration as capacity.prefill_factor (prefill only)")
     args = ap.parse_args()
+    if args.write and args.role != "prefill":
+        ap.error("--write stores prefill's factor: use it with --role prefill")
+    seeds = [int(x) for x in args.seed.split(",")]
     role = args.role
     spec = ROLES[role]
     perf = PerfModel.of(Calibration.load(args.calibration))
@@ -111,16 +138,29 @@ def main() -> None:
     # calibration whose peak rule asks for more requests than a trace holds has no scenario to build
     targets = dict(zip(("prefill", "decode"), S.slo(perf, S.PROMPT, S.OUTPUT)))
     metric = "TPOT" if role == "decode" else "TTFT"
-    print(f"calibration {args.calibration}; {metric} target {targets[role]:.4f} s; {args.duration:.0f} s of "
-          f"steady load per point, seed {args.seed}\n")
     extra = " utilization: simulated, model |" if role == "prefill" else ""
-    print(f"| {role} replicas | simulated: most prompts/s at >= 95% of minutes | model: most prompts/s | "
-          f"simulated / model |{extra}")
-    print("|---|---|---|---|" + ("---|" if extra else ""))
-    for c in (int(x) for x in (args.counts or spec.counts).split(",")):
-        sim = most(lambda r: attainment(role, perf, targets, steady(r, args.duration, args.seed), c, args.duration)
-                   >= AIM, hi=spec.per_replica * c, iters=spec.iters)
-        print(model_row(role, perf, targets, steady(max(sim, 0.05), args.duration, args.seed), c, sim), flush=True)
+    ratios = []
+    for seed in seeds:
+        print(f"calibration {args.calibration}; {metric} target {targets[role]:.4f} s; {args.duration:.0f} s of "
+              f"steady load per point, seed {seed}\n")
+        print(f"| {role} replicas | simulated: most prompts/s at >= 95% of minutes | model: most prompts/s | "
+              f"simulated / model |{extra}")
+        print("|---|---|---|---|" + ("---|" if extra else ""))
+        for c in (int(x) for x in (args.counts or spec.counts).split(",")):
+            sim = most(lambda r: attainment(role, perf, targets, steady(r, args.duration, seed), c, args.duration)
+                       >= AIM, hi=spec.per_replica * c, iters=spec.iters)
+            row, ratio = model_row(role, perf, targets, steady(max(sim, 0.05), args.duration, seed), c, sim)
+            ratios.append(ratio)
+            print(row, flush=True)
+        print()
+    median = statistics.median(ratios)
+    print(f"median simulated / model over {len(ratios)} points: {median:.3f}")
+    if args.write:
+        how = (f"bench/capacity_by_size.py --role prefill --counts {args.counts or spec.counts} --duration "
+               f"{args.duration:g} --seed {args.seed}: the median of {len(ratios)} ratios, "
+               f"{min(ratios):.2f}-{max(ratios):.2f}")
+        write_factor(args.calibration, median, how)
+        print(f"wrote capacity.prefill_factor {median:.3g} to {args.calibration}")
 
 
 if __name__ == "__main__":

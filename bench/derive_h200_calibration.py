@@ -174,6 +174,9 @@ def main() -> None:
     args.output = args.output or str(OUT if args.measured is None else OUT_MEASURED)
     Path(args.output).write_text(head + yaml.safe_dump(build(args.measured), sort_keys=False, width=110))
     print(args.output)
+    # the measured prefill factor belongs to these fits, so a regenerated file is without it until then
+    print(f"then measure its prefill capacity factor: PYTHONSAFEPATH=1 python bench/capacity_by_size.py --role "
+          f"prefill --seed 3 --counts 2,4,8 --duration 1800 --calibration {args.output} --write")
 
 
 if __name__ == "__main__":

@@ -87,6 +87,9 @@ class PerfModel:
         kv = fits.get("kv_transfer")
         self._kv = None if kv is None else tuple(float(x) for x in kv.coef)
         self._remote: dict = {}
+        #: the measured prefill capacity factor (the calibration's ``capacity.prefill_factor``), or None
+        self.prefill_factor: Optional[float] = (getattr(self.calibration, "capacity", None) or {}).get(
+            "prefill_factor")
 
     @classmethod
     def of(cls, calibration) -> Optional["PerfModel"]:

@@ -3,6 +3,7 @@
 Each test drives ``Autoscaler.decide`` with a sequence of snapshots on a made-up clock, as the simulator
 and the operator do."""
 import copy
+import dataclasses
 import math
 import random
 import subprocess
@@ -19,7 +20,9 @@ from tandem.operator.spec import InferencePoolSpec
 from tandem.worker.api.calibration import Calibration
 
 ROOT = Path(__file__).resolve().parents[2]
-CAL = Calibration.load(ROOT / "bench/calibrations/smollm2-cpu.yaml")
+# the policy's rules on their own: without the calibration's measured prefill factor, which caps the
+# capacity probe (tested on its own, test_the_capacity_probe_stops_at_the_calibrations_measured_factor)
+CAL = dataclasses.replace(Calibration.load(ROOT / "bench/calibrations/smollm2-cpu.yaml"), capacity={})
 pytestmark = pytest.mark.timeout(60)
 
 TTFT, TPOT = 3.0, 0.09
@@ -770,6 +773,34 @@ def test_the_capacity_probe_stops_where_one_replica_fewer_would_break_the_target
     assert factor(calm) > 1.2                   # it probes where one fewer holds
     assert factor(near) == 1.0                  # not where the measured queue says one fewer breaks
     assert factor(near, probe_guard=0) > 1.2    # the blind probe (before) climbed there too
+
+
+def test_the_capacity_probe_stops_at_the_calibrations_measured_factor():
+    """Issue 25, thirty-fifth session: the probe climbed prefill's factor to 1.52 on the CPU
+    calibration's diurnal (seed 0) where the simulator serves 1.15-1.22 times what the model sizes
+    (``bench/capacity_by_size.py --role prefill``), and the ramp after the trough broke TTFT. A
+    calibration that carries that measurement (``capacity.prefill_factor``) caps the raises there; one
+    below 1 stops them, and takes nothing away (only an overload lowers the factor). Without it the
+    probe keeps its old ceiling of 3. Same calm pool as the test above: 7 replicas, one fewer holds."""
+    target, ready, arrivals = 6.0, 7, 3.3
+    sp = spec(pre={"target": {"metric": "ttft", "seconds": target}, "maxReplicas": 20})
+    calm = PerfModel.of(CAL).remote_prefill_seconds(380) * 1.05
+
+    def factors(cal):
+        a = Autoscaler(sp, cal)
+        out = []
+        for i in range(40):
+            a.decide(snap(15 * i, role("prefill", ready, arrivals=arrivals, latency=calm),
+                          role("decode", 4, arrivals=arrivals, latency=0.7 * TPOT)))
+            out.append(a.state["prefill"].correction)
+        return out
+    free = factors(CAL)
+    capped = factors(dataclasses.replace(CAL, capacity={"prefill_factor": 1.1}))
+    below = factors(dataclasses.replace(CAL, capacity={"prefill_factor": 0.9}))
+    assert free[-1] > 1.3, free[-1]                                  # uncapped, it climbs past 1.1
+    assert max(capped) == pytest.approx(1.1) and capped[-1] == pytest.approx(1.1), capped
+    assert capped[:3] == free[:3]                                    # the same raises up to the cap
+    assert set(below) == {1.0}, below
 
 
 def test_a_window_with_streams_running_and_none_arriving_keeps_the_last_request_sizes():

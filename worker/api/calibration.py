@@ -16,6 +16,10 @@ physical sign):
 - ``kv_transfer`` (optional): g + h*bytes, the decode worker's wait for a remote prefill's KV
   (``tandem:kv_transfer_seconds``: handshake, the prefill worker's compute, which the streamed KV
   overlaps, and the writes into the decode worker's cache).
+An optional ``capacity`` section is not a fit but a measurement of the autoscaler's model against
+these fits: ``prefill_factor``, the ratio of the prefill load a pool really serves at its TTFT target
+to what the model's one-prompt-at-a-time queue sizes it for (``bench/capacity_by_size.py --role prefill
+--write``), which caps how far the autoscaler's capacity probe raises its factor.
 The schema is in docs/bench.md.
 """
 from __future__ import annotations
@@ -124,11 +128,13 @@ def fit(name: str, samples: list[list[float]]) -> Fit:
 
 @dataclass
 class Calibration:
-    """A loaded calibration file. ``fits`` holds ``prefill`` and ``decode_step``, maybe ``kv_transfer``."""
+    """A loaded calibration file. ``fits`` holds ``prefill`` and ``decode_step``, maybe ``kv_transfer``;
+    ``capacity`` the optional measured factors (``prefill_factor``: a positive float; ``measured``: how)."""
     model: str
     fits: dict[str, Fit]
     measured: dict = field(default_factory=dict)
     engine: dict = field(default_factory=dict)
+    capacity: dict = field(default_factory=dict)
 
     def prefill_seconds(self, prompt_tokens: int, cached_tokens: int = 0) -> float:
         """Predicted prefill latency (s) of a prompt with ``cached_tokens`` of it already cached."""
@@ -144,14 +150,16 @@ class Calibration:
 
     def to_dict(self) -> dict:
         return {"apiVersion": API_VERSION, "kind": KIND, "model": self.model, "measured": self.measured,
-                "engine": self.engine, **{k: f.to_dict() for k, f in self.fits.items()}}
+                "engine": self.engine, **{k: f.to_dict() for k, f in self.fits.items()},
+                **({"capacity": self.capacity} if self.capacity else {})}
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False, width=120))
 
     @classmethod
     def from_dict(cls, d: dict) -> "Calibration":
-        """Raises ValueError for another apiVersion/kind or a missing prefill or decode_step section."""
+        """Raises ValueError for another apiVersion/kind, a missing prefill or decode_step section, or a
+        ``capacity.prefill_factor`` that is not a positive number."""
         if d.get("apiVersion") != API_VERSION or d.get("kind") != KIND:
             raise ValueError(f"not a calibration ({API_VERSION}, kind {KIND}): "
                              f"{d.get('apiVersion')}, {d.get('kind')}")
@@ -164,7 +172,14 @@ class Calibration:
                 continue
             coef = np.array([float(sec["coefficients"][c]) for c in formula.coefficients])
             fits[name] = Fit(formula, coef, sec.get("samples", []))
-        return cls(d.get("model", ""), fits, d.get("measured", {}), d.get("engine", {}))
+        capacity = d.get("capacity") or {}
+        if not isinstance(capacity, dict):
+            raise ValueError(f"calibration capacity: a mapping, not {capacity!r}")
+        v = capacity.get("prefill_factor")
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
+            raise ValueError(f"calibration capacity.prefill_factor: a positive number, not {v!r}")
+        capacity = {**capacity, **({"prefill_factor": float(v)} if v is not None else {})}
+        return cls(d.get("model", ""), fits, d.get("measured", {}), d.get("engine", {}), capacity)
 
     @classmethod
     def load(cls, path: str | Path) -> "Calibration":
