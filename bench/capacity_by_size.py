@@ -37,6 +37,8 @@ import statistics
 from pathlib import Path
 from typing import Callable, NamedTuple
 
+import yaml
+
 from tandem.operator.autoscaler.capacity import PerfModel
 from tandem.operator.autoscaler.policy import Autoscaler
 from tandem.operator.simulate import baselines as B
@@ -109,19 +111,20 @@ def model_row(role: str, perf, targets, recs, c: int, sim: float) -> tuple[str, 
 
 def write_factor(path: str, factor: float, how: str) -> None:
     """Replace (or append) the calibration file's top-level ``capacity`` section, leaving every other
-    line, comments included, as it was."""
+    line, comments included, as it was. Raises ValueError, before writing, when the result would not
+    load as a calibration (a factor that is not a positive finite number)."""
     text = Path(path).read_text()
-    block = f"capacity:\n  prefill_factor: {factor:.3g}\n  measured: {json.dumps(how)}\n"
-    pattern = re.compile(r"^capacity:.*?(?=^\S|\Z)", re.S | re.M)
+    block = f"capacity:\n  prefill_factor: {float(f'{factor:.3g}')!r}\n  measured: {json.dumps(how)}\n"
+    pattern = re.compile(r"^capacity:.*\n?(?:[ \t].*\n?)*", re.M)
     text = pattern.sub(block, text) if pattern.search(text) else text.rstrip("\n") + "\n" + block
+    Calibration.from_dict(yaml.safe_load(text))
     Path(path).write_text(text)
-    Calibration.load(path)   # still a calibration, or ValueError
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--role", choices=sorted(ROLES), default="decode")
-    ap.add_argument("--calibration", default=str(DEFAULT_CALIBRATION))
+    ap.add_argument("--calibration", help=f"a calibration file (default {DEFAULT_CALIBRATION})")
     ap.add_argument("--counts", help="comma-separated replica counts (default: the role's)")
     ap.add_argument("--duration", type=float, default=3600.0)
     ap.add_argument("--seed", default="3", help="a seed, or comma-separated seeds")
@@ -130,6 +133,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.write and args.role != "prefill":
         ap.error("--write stores prefill's factor: use it with --role prefill")
+    if args.write and args.calibration is None:
+        ap.error("--write rewrites the calibration file: name it with --calibration")
+    args.calibration = args.calibration or str(DEFAULT_CALIBRATION)
     seeds = [int(x) for x in args.seed.split(",")]
     role = args.role
     spec = ROLES[role]

@@ -36,7 +36,7 @@ def test_every_shipped_calibration_carries_its_measured_factor(name):
     assert PerfModel.of(cal).prefill_factor == factor
 
 
-@pytest.mark.parametrize("bad", [0, -1.2, "1.2", True, None])
+@pytest.mark.parametrize("bad", [0, -1.2, "1.2", True, float("inf"), None])
 def test_a_factor_that_is_not_a_positive_number_is_refused_by_name(bad):
     d = Calibration.load(CALS / "smollm2-cpu-scenarios.yaml").to_dict()
     d["capacity"] = {"prefill_factor": bad}
@@ -67,6 +67,18 @@ def test_write_replaces_the_section_and_keeps_every_other_line(tmp_path):
     # the loader's own writer keeps it too
     cal.save(tmp_path / "again.yaml")
     assert Calibration.load(tmp_path / "again.yaml").capacity == cal.capacity
+    # a section followed by other keys is replaced in place
+    mid = tmp_path / "mid.yaml"
+    mid.write_text(text.replace("\nprefill:\n", "\ncapacity:\n  prefill_factor: 1.5\n  measured: x\nprefill:\n", 1))
+    script.write_factor(str(mid), 1000.0, "third")
+    got = Calibration.load(mid)
+    assert got.capacity == {"prefill_factor": 1000.0, "measured": "third"}
+    assert mid.read_text().count("capacity:") == 1 and "\nprefill:\n" in mid.read_text()
+    assert list(got.fits["prefill"].coef) == list(cal.fits["prefill"].coef)
+    # a factor the loader would refuse is refused before the file is touched
+    with pytest.raises(ValueError, match=r"capacity\.prefill_factor"):
+        script.write_factor(str(path), 0.0, "zero")
+    assert path.read_text() == now
 
 
 def test_the_scenarios_factor_matches_a_fresh_measurement():

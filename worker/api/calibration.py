@@ -24,6 +24,7 @@ The schema is in docs/bench.md.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -159,7 +160,7 @@ class Calibration:
     @classmethod
     def from_dict(cls, d: dict) -> "Calibration":
         """Raises ValueError for another apiVersion/kind, a missing prefill or decode_step section, or a
-        ``capacity.prefill_factor`` that is not a positive number."""
+        ``capacity.prefill_factor`` that is not a positive finite number."""
         if d.get("apiVersion") != API_VERSION or d.get("kind") != KIND:
             raise ValueError(f"not a calibration ({API_VERSION}, kind {KIND}): "
                              f"{d.get('apiVersion')}, {d.get('kind')}")
@@ -176,8 +177,8 @@ class Calibration:
         if not isinstance(capacity, dict):
             raise ValueError(f"calibration capacity: a mapping, not {capacity!r}")
         v = capacity.get("prefill_factor")
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
-            raise ValueError(f"calibration capacity.prefill_factor: a positive number, not {v!r}")
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf):
+            raise ValueError(f"calibration capacity.prefill_factor: a positive finite number, not {v!r}")
         capacity = {**capacity, **({"prefill_factor": float(v)} if v is not None else {})}
         return cls(d.get("model", ""), fits, d.get("measured", {}), d.get("engine", {}), capacity)
 

@@ -238,6 +238,9 @@ def _calibrate(args) -> int:
         t.add_row(name, f.formula.text, ", ".join(f"{k}={v:.3g}" for k, v in zip(f.formula.coefficients, f.coef)),
                   str(q["points"]), f"{q['r2']:.3f}", f"{q['mean_abs_rel_err']:.1%}", f"{q['max_abs_rel_err']:.1%}")
     console.print(t)
+    # the autoscaler's capacity probe is bounded by a factor these fits do not give (docs/bench.md)
+    console.print(f"next: PYTHONSAFEPATH=1 .venv/bin/python bench/capacity_by_size.py --role prefill --seed 3,4 "
+                  f"--calibration {args.output} --write (the prefill capacity factor, in the simulator)")
     return 0
 
 
