@@ -315,9 +315,11 @@ def test_kubectl_apply_to_answers_under_load_scaling_up_and_down_without_a_faile
               f"{t_new_ready - t_up:.0f} s later", flush=True)
 
         # 6. the GitOps sync while decode is above min, under the ramp's load: the file changes (prefill's
-        # TTFT target, an SLO tightened in Git) and is applied again. The generation moves; no count
-        # does (the latency is over target, so nothing goes down; the last scale-up's periodSeconds
-        # holds the next one back, and a new generation must keep that record)
+        # TTFT target, an SLO tightened in Git) and is applied again. The generation moves; no count is
+        # reset, and decode's does not move (the latency is over target, so nothing goes down; the last
+        # scale-up's periodSeconds holds the next one back, and a new generation must keep that record).
+        # Prefill may grow: the tighter target is a new sizing (a clean-clone run, thirty-fifth session:
+        # 0.82 erlangs on one prefill replica fit 30 s and not 20 s at the 0.8 headroom, so 1 -> 2)
         before = replicas(c)
         gen0 = kget(c, "inferencepools.serving.tandem.dev", POOL, ns=NS)["metadata"]["generation"]
         assert before["decode"] >= 2, before
@@ -330,12 +332,14 @@ def test_kubectl_apply_to_answers_under_load_scaling_up_and_down_without_a_faile
             return p["metadata"]["generation"] > gen0 and p["status"].get("observedGeneration") == p["metadata"]["generation"]
         wait_for(synced, 120, "the re-applied generation observed")
         time.sleep(8)                       # the autoscaler's ticks and a resync pass (resyncSeconds=5) after it
-        assert replicas(c) == before, (before, replicas(c))
-        moved = watch.changes[n_changes:]
-        assert not moved, moved             # nothing moved in between either
+        after = replicas(c)
+        assert {r: after[r] for r in ("decode", "router")} == {r: before[r] for r in ("decode", "router")} \
+            and after["prefill"] >= before["prefill"], (before, after)
+        moved = [ch for ch in watch.changes[n_changes:] if ch[1] != "prefill" or ch[3] < before["prefill"]]
+        assert not moved, moved             # nothing else moved in between, and prefill never below before
         fig["reapply_generation"] = [gen0, kget(c, "inferencepools.serving.tandem.dev", POOL, ns=NS)["metadata"]["generation"]]
-        print(f"[story] re-applied (generation {gen0} -> {fig['reapply_generation'][1]}): counts held at {before}",
-              flush=True)
+        print(f"[story] re-applied (generation {gen0} -> {fig['reapply_generation'][1]}): counts {before} -> "
+              f"{after}", flush=True)
 
         # 7. the load drops to a trickle of long requests (2 in flight), once the ramp's last run has
         # ended: started beside it, the two streams were placed among the ramp's and could end up on
