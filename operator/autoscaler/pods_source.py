@@ -18,7 +18,9 @@ and the oldest one inside the window into a :class:`PoolSnapshot`:
   (``tandem:num_requests_awaiting_remote_kv``: they wait on prefill) and counts its local prefills
   (``tandem:num_requests_prefilling``) as waiting, not running;
 - a router without the arrival counters (an older image) gives prefill's arrivals from its ``remote``
-  routing decisions and prefill's demand from the prefill workers' ``tandem:prompt_tokens_computed_total``;
+  routing decisions; prefill's demand comes from the prefill workers'
+  ``tandem:prompt_tokens_computed_total`` when no router has the counters, and from the newer routers'
+  mean prompt when some do (a rollout: :func:`prefill_arrivals`);
 - ``router_queued``: the routers' ``tandem:router_queued_requests``.
 
 Signals (snapshot.py): ``no_data`` when no router answered a fresh scrape, or the router has not been
@@ -95,6 +97,19 @@ def fetch_metrics(url: str, timeout: float) -> str:
     """GET ``url``/metrics; raises OSError (URLError included) when it does not answer 200."""
     with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=timeout) as r:
         return r.read().decode()
+
+
+def prefill_arrivals(new_n: Optional[float], new_tokens: float, old_n: float) -> tuple[float, Optional[float]]:
+    """(requests, prompt tokens) that arrived for prefill over a window: every accepted prompt is
+    prefill's demand, wherever it is prefilled, counted on arrival by the routers that have the
+    counters (``new_n`` requests and ``new_tokens`` prompt tokens; ``new_n`` None when no router has
+    them). A router older than the counters (the router runs the pool's image, which may lag the
+    operator's, and both run side by side during a rollout) gives its remote routing decisions
+    (``old_n``), its prompts taken at the mean size the newer routers counted. Tokens are None where
+    no router counted any: the prefill workers' computed tokens stand in, as before the counters."""
+    if new_n is None or (new_n == 0 and old_n > 0):
+        return (new_n or 0.0) + old_n, None
+    return new_n + old_n, (new_tokens * (new_n + old_n) / new_n if new_n > 0 else new_tokens)
 
 
 class PodsSource:
@@ -186,15 +201,12 @@ class PodsSource:
         spans = [n.at - b.at for n, b in fresh if b is not None]
         span = max(spans) if spans else 0.0
         no_data = not fresh or span < self.window_s / 2
-        # every accepted prompt is prefill's demand, wherever it is prefilled, counted on arrival; a
-        # router older than those counters gives the remote decisions and the prefill workers' computed
-        # tokens, as before them
-        if any(RECEIVED in n.samples for n, _ in fresh):
-            received = sum(counter_delta(n, b, RECEIVED, role="router") for n, b in fresh)
-            tokens: Optional[float] = sum(counter_delta(n, b, PROMPT_TOKENS, role="router") for n, b in fresh)
-        else:
-            received = sum(counter_delta(n, b, ROUTED, role="router", decision="remote") for n, b in fresh)
-            tokens = None
+        newer = [(n, b) for n, b in fresh if RECEIVED in n.samples]
+        received, tokens = prefill_arrivals(
+            sum(counter_delta(n, b, RECEIVED, role="router") for n, b in newer) if newer else None,
+            sum(counter_delta(n, b, PROMPT_TOKENS, role="router") for n, b in newer),
+            sum(counter_delta(n, b, ROUTED, role="router", decision="remote") for n, b in fresh
+                if RECEIVED not in n.samples))
         roles = {r: self._role(r, targets, fresh, span, no_data, now, queued, received, tokens)
                  for r in ("prefill", "decode")}
         return PoolSnapshot(at=now, prefill=roles["prefill"], decode=roles["decode"], router_queued=queued,

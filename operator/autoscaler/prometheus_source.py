@@ -10,8 +10,9 @@ handle counter resets; ``histogram_quantile`` is the same interpolation):
   ``.tpot`` replace them (any PromQL answering seconds; ``$pool``, ``$window`` and ``$quantile`` are
   substituted);
 - prefill's arrivals and demand from the routers' ``tandem:router_requests_received_total`` and
-  ``tandem:router_prompt_tokens_total`` (counted on arrival; PromQL's ``or`` falls back to the remote
-  routing decisions and the prefill workers' computed tokens for a router without them), decode's from
+  ``tandem:router_prompt_tokens_total`` (counted on arrival; a router without them gives its remote
+  routing decisions, instance by instance with PromQL's ``unless on (instance)``, combined as
+  :func:`~.pods_source.prefill_arrivals` does), decode's from
   ``tandem:router_routing_decisions_total`` and the decode workers' ``tandem:generation_tokens_total``;
   running, waiting and KV usage from the workers' gauges (decode's queue as
   :func:`~.pods_source.decode_queue` reads it), ``router_queued`` from the routers' gauge.
@@ -39,7 +40,7 @@ from typing import Callable, Optional
 
 from tandem.worker.api import metrics as M
 
-from .pods_source import Targets, Worker, decode_queue
+from .pods_source import Targets, Worker, decode_queue, prefill_arrivals
 from .snapshot import PoolSnapshot, Role, RoleSnapshot
 
 
@@ -167,11 +168,14 @@ class PrometheusSource:
         # decisions and the prefill workers' computed tokens where it lacks the counters), decode's at
         # the first token
         pre = self._sel("prefill")
-        received = self._scalar(f"sum(rate({M.ROUTER_REQUESTS}_total{r}[{w}])) or "
-                                f"sum(rate({M.ROUTING_DECISIONS}_total{self._sel('router', decision='remote')}[{w}]))",
-                                now) or 0.0
-        tokens = self._scalar(f"sum(rate({M.ROUTER_PROMPT_TOKENS}_total{r}[{w}])) or "
-                              f"sum(rate({M.PROMPT_TOKENS_COMPUTED}_total{pre}[{w}]))", now) or 0.0
+        new_rate = f"sum by (instance) (rate({M.ROUTER_REQUESTS}_total{r}[{w}]))"
+        received, tokens = prefill_arrivals(
+            self._scalar(f"sum({new_rate})", now),
+            self._scalar(f"sum(rate({M.ROUTER_PROMPT_TOKENS}_total{r}[{w}]))", now) or 0.0,
+            self._scalar(f"sum(sum by (instance) (rate({M.ROUTING_DECISIONS}_total"
+                         f"{self._sel('router', decision='remote')}[{w}])) unless on (instance) {new_rate})", now) or 0.0)
+        if tokens is None:
+            tokens = self._scalar(f"sum(rate({M.PROMPT_TOKENS_COMPUTED}_total{pre}[{w}]))", now) or 0.0
         roles = {}
         for role in ("prefill", "decode"):
             if role == "prefill":

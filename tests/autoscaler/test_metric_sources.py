@@ -204,6 +204,28 @@ def test_a_router_without_the_arrival_counters_reads_as_before_them():
     assert snap.prefill.prompt_tokens_per_s == pytest.approx(100)
 
 
+def test_old_and_new_routers_side_by_side_both_count():
+    """A rollout of the routers: an older router (no arrival counters) beside a newer one. Both count:
+    the older one's remote decisions as arrivals, at the mean prompt the newer one counted (before the
+    thirty-fifth session the older one's arrivals were dropped while any router had the counters)."""
+    new, old = Metrics("router", "p"), Metrics("router", "p")
+
+    def old_router() -> str:
+        return "\n".join(line for line in old.render().decode().splitlines()
+                         if "router_requests_received" not in line and "router_prompt_tokens" not in line) + "\n"
+    texts = {"new": lambda: new.render().decode(), "old": old_router,
+             "p": lambda: f'{M.PROMPT_TOKENS_COMPUTED}_total{{role="prefill",pool="p"}} 0\n'}
+
+    def serve():
+        for _ in range(2):
+            new.request_received(300)
+        for _ in range(3):
+            old.routing.labels(**old.labels, decision="remote").inc()
+    snap = _two_scrapes(texts, Targets(routers=["new", "old"], prefill=[Worker("p")]), serve)
+    assert snap.prefill.arrivals_per_s == pytest.approx(0.5)
+    assert snap.prefill.prompt_tokens_per_s == pytest.approx(150)
+
+
 def test_parse_rejects_garbage():
     with pytest.raises(ValueError):
         parse("this is {not exposition", 0.0)

@@ -154,3 +154,15 @@ def test_prometheus_falls_back_to_remote_routings_for_a_router_without_the_count
     assert snap.prefill.signal == "ok", snap
     assert snap.prefill.arrivals_per_s == pytest.approx(3, rel=0.2), snap.prefill   # not 0
     assert snap.prefill.prompt_tokens_per_s == 0   # the prefill worker here computed nothing
+
+
+def test_prometheus_counts_old_and_new_routers_side_by_side(pool):
+    """A rollout of the routers: both are scraped. The older one's 3 remote routings a second count
+    beside the newer one's 4 arrivals, at the newer one's 250-token mean prompt."""
+    ex, prom = pool
+    _scraped(prom, ex, ["router", "old-router", "decode", "prefill"], WINDOW + 3)
+    t = Targets(routers=[ex.urls["router"], ex.urls["old-router"]], prefill=[Worker(ex.urls["prefill"])],
+                decode=[Worker(ex.urls["decode"])])
+    snap = PrometheusSource(prom.url, "p", WINDOW, {"prefill": 90, "decode": 90}).observe(t)
+    assert snap.prefill.arrivals_per_s == pytest.approx(7, rel=0.2), snap.prefill
+    assert snap.prefill.prompt_tokens_per_s / snap.prefill.arrivals_per_s == pytest.approx(250, rel=0.05)
