@@ -165,8 +165,8 @@ class PrometheusSource:
         queued = int(self._scalar(f"sum({M.ROUTER_QUEUED}{r})", now) or 0)
         finished = self._scalar(f"sum(increase({M.E2E}_count{r}[{w}]))", now) or 0.0
         # as pods_source.py reads them: prefill's on arrival at the router (an older router's remote
-        # decisions and the prefill workers' computed tokens where it lacks the counters), decode's at
-        # the first token
+        # decisions; the prefill workers' computed tokens where no router has the counters), decode's
+        # at the first token
         pre = self._sel("prefill")
         new_rate = f"sum by (instance) (rate({M.ROUTER_REQUESTS}_total{r}[{w}]))"
         received, tokens = prefill_arrivals(
