@@ -88,8 +88,7 @@ class PerfModel:
         self._kv = None if kv is None else tuple(float(x) for x in kv.coef)
         self._remote: dict = {}
         #: the measured prefill capacity factor (the calibration's ``capacity.prefill_factor``), or None
-        self.prefill_factor: Optional[float] = (getattr(self.calibration, "capacity", None) or {}).get(
-            "prefill_factor")
+        self.prefill_factor: Optional[float] = self.calibration.capacity.get("prefill_factor")
 
     @classmethod
     def of(cls, calibration) -> Optional["PerfModel"]:

@@ -202,11 +202,11 @@ class PodsSource:
         span = max(spans) if spans else 0.0
         no_data = not fresh or span < self.window_s / 2
         newer = [(n, b) for n, b in fresh if RECEIVED in n.samples]
+        older = [(n, b) for n, b in fresh if RECEIVED not in n.samples]
         received, tokens = prefill_arrivals(
             sum(counter_delta(n, b, RECEIVED, role="router") for n, b in newer) if newer else None,
             sum(counter_delta(n, b, PROMPT_TOKENS, role="router") for n, b in newer),
-            sum(counter_delta(n, b, ROUTED, role="router", decision="remote") for n, b in fresh
-                if RECEIVED not in n.samples))
+            sum(counter_delta(n, b, ROUTED, role="router", decision="remote") for n, b in older))
         roles = {r: self._role(r, targets, fresh, span, no_data, now, queued, received, tokens)
                  for r in ("prefill", "decode")}
         return PoolSnapshot(at=now, prefill=roles["prefill"], decode=roles["decode"], router_queued=queued,

@@ -176,10 +176,12 @@ class Calibration:
         capacity = d.get("capacity") or {}
         if not isinstance(capacity, dict):
             raise ValueError(f"calibration capacity: a mapping, not {capacity!r}")
+        capacity = dict(capacity)
         v = capacity.get("prefill_factor")
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf):
-            raise ValueError(f"calibration capacity.prefill_factor: a positive finite number, not {v!r}")
-        capacity = {**capacity, **({"prefill_factor": float(v)} if v is not None else {})}
+        if v is not None:
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
+                raise ValueError(f"calibration capacity.prefill_factor: a positive finite number, not {v!r}")
+            capacity["prefill_factor"] = float(v)
         return cls(d.get("model", ""), fits, d.get("measured", {}), d.get("engine", {}), capacity)
 
     @classmethod
