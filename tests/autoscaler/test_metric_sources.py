@@ -9,6 +9,7 @@ import math
 
 import pytest
 
+from exposition import gauges, older_router
 from tandem.operator.autoscaler.pods_source import PodsSource, Targets, Worker
 from tandem.operator.autoscaler.scrape import histogram_quantile, parse
 from tandem.worker.api import metrics as M
@@ -133,12 +134,6 @@ def test_queued_requests_and_counter_resets():
     assert (snap.decode.ready, snap.decode.starting) == (0, 0)
 
 
-def _gauges(role: str, **values: float) -> str:
-    """A worker's exposition with these gauges (a stand-in for a worker with sequences in each state:
-    the real gauges are checked on real workers in tests/serving/test_abuse.py and the fleet tests)."""
-    return "".join(f'{getattr(M, k)}{{role="{role}",pool="p"}} {v}\n' for k, v in values.items())
-
-
 def _two_scrapes(texts: dict, t: Targets, between=lambda: None):
     clock = Clock()
     src = PodsSource(10.0, {}, fetch=lambda url, timeout: texts[url](), clock=clock)
@@ -156,13 +151,13 @@ def test_decode_s_queue_is_the_simulator_s():
     are."""
     router = Metrics("router", "p")
     texts = {"r": lambda: router.render().decode(),
-             "d": lambda: _gauges("decode", RUNNING=4, PREFILLING=1, WAITING=5, AWAITING_KV=3),
-             "p": lambda: _gauges("prefill", RUNNING=2, PREFILLING=2, WAITING=3)}
+             "d": lambda: gauges("decode", RUNNING=4, PREFILLING=1, WAITING=5, AWAITING_KV=3),
+             "p": lambda: gauges("prefill", RUNNING=2, PREFILLING=2, WAITING=3)}
     snap = _two_scrapes(texts, Targets(routers=["r"], prefill=[Worker("p")], decode=[Worker("d")]))
     assert (snap.decode.running, snap.decode.waiting) == (3, 3)
     assert (snap.prefill.running, snap.prefill.waiting) == (2, 3)
     # a scrape racing the engine never reads a negative queue
-    texts["d"] = lambda: _gauges("decode", RUNNING=0, WAITING=1, AWAITING_KV=2)
+    texts["d"] = lambda: gauges("decode", RUNNING=0, WAITING=1, AWAITING_KV=2)
     snap = _two_scrapes(texts, Targets(routers=["r"], decode=[Worker("d")]))
     assert (snap.decode.running, snap.decode.waiting) == (0, 0)
 
@@ -172,7 +167,7 @@ def test_a_pool_whose_requests_all_await_prefill_is_not_idle():
     request has reached its first token, but the pool is busy (the simulator's idleness is the pool's
     arrivals, for both roles)."""
     router = Metrics("router", "p")
-    texts = {"r": lambda: router.render().decode(), "d": lambda: _gauges("decode", WAITING=3, AWAITING_KV=3)}
+    texts = {"r": lambda: router.render().decode(), "d": lambda: gauges("decode", WAITING=3, AWAITING_KV=3)}
 
     def arrive():
         for _ in range(3):
@@ -189,11 +184,8 @@ def test_a_router_without_the_arrival_counters_reads_as_before_them():
     router = Metrics("router", "p")
     computed = {"n": 0}
 
-    def old_router() -> str:   # the same exposition without the series that router did not have
-        return "\n".join(line for line in router.render().decode().splitlines()
-                         if "router_requests_received" not in line and "router_prompt_tokens" not in line) + "\n"
-    texts = {"r": old_router, "p": lambda: (f'{M.PROMPT_TOKENS_COMPUTED}_total{{role="prefill",pool="p"}} '
-                                             f'{computed["n"]}\n')}
+    texts = {"r": lambda: older_router(router),
+             "p": lambda: f'{M.PROMPT_TOKENS_COMPUTED}_total{{role="prefill",pool="p"}} {computed["n"]}\n'}
 
     def serve():
         for _ in range(4):
@@ -210,10 +202,7 @@ def test_old_and_new_routers_side_by_side_both_count():
     thirty-fifth session the older one's arrivals were dropped while any router had the counters)."""
     new, old = Metrics("router", "p"), Metrics("router", "p")
 
-    def old_router() -> str:
-        return "\n".join(line for line in old.render().decode().splitlines()
-                         if "router_requests_received" not in line and "router_prompt_tokens" not in line) + "\n"
-    texts = {"new": lambda: new.render().decode(), "old": old_router,
+    texts = {"new": lambda: new.render().decode(), "old": lambda: older_router(old),
              "p": lambda: f'{M.PROMPT_TOKENS_COMPUTED}_total{{role="prefill",pool="p"}} 0\n'}
 
     def serve():

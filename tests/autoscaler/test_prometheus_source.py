@@ -12,19 +12,15 @@ import time
 import pytest
 import requests
 
+from exposition import gauges, older_router
 from prometheus_utils import Prometheus
 from tandem.operator.autoscaler.pods_source import PodsSource, Targets, Worker
 from tandem.operator.autoscaler.prometheus_source import PrometheusSource
 from tandem.operator.local import free_port
-from tandem.worker.api import metrics as M
 from tandem.worker.api.metrics import Metrics
 
 pytestmark = pytest.mark.timeout(180)
 WINDOW = 10.0
-
-
-def gauges(role: str, **values: float) -> str:
-    return "".join(f'{getattr(M, k)}{{role="{role}",pool="p"}} {v}\n' for k, v in values.items())
 
 
 class Exporters:
@@ -77,9 +73,7 @@ def pool(tmp_path):
     new, old = Metrics("router", "p"), Metrics("router", "p")
     texts = {
         "router": lambda: new.render().decode(),
-        "old-router": lambda: "\n".join(line for line in old.render().decode().splitlines()
-                                        if "router_requests_received" not in line
-                                        and "router_prompt_tokens" not in line) + "\n",
+        "old-router": lambda: older_router(old),
         "decode": lambda: gauges("decode", RUNNING=4, PREFILLING=1, WAITING=5, AWAITING_KV=3),
         "prefill": lambda: gauges("prefill", RUNNING=2, PREFILLING=2, WAITING=3),
     }
