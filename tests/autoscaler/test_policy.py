@@ -849,6 +849,47 @@ def test_a_window_with_streams_running_and_none_arriving_sizes_them_as_a_fixed_p
     assert held.recommended == 2, held
 
 
+def test_a_window_without_latency_after_one_above_target_holds_the_count():
+    """Thirty-fifth session's note: under closed-loop load (the e2e story's ramp), a decode window in which
+    no request measured a TPOT fell back to the model ("no latency yet"), which overrates decode on the
+    live CPU calibration, and the pool went 2 -> 1 a window after its TPOT was over the target. Without
+    a latency, the last one measured stands for the load it was measured at: the pool goes no lower than
+    the count that gives each replica no more of the demand now than each carried then (Kubernetes' HPA
+    does not scale down on metrics it lacks). After a window in the band, with none measured yet, or
+    once the load behind the breach has gone, the model alone sizes it."""
+    nan = math.nan
+
+    def gap_after(last_latency, then=0.01, now=0.01):
+        a = Autoscaler(spec(), CAL)
+        if last_latency is not None:
+            steady(a, 0, then, 2, 2, dec_lat=last_latency)
+        return steady(a, 15, now, 2, 2, dec_lat=nan).decode
+
+    alone = gap_after(None)
+    assert alone.recommended == 1 and alone.desired == 1, alone   # the model alone: one replica
+    held = gap_after(1.5 * TPOT)
+    assert held.recommended == 2 and held.desired == 2, held       # the same demand on 2: both stay
+    assert "the last window measured was x1.50 the target" in held.reason
+    # a window within the band, or under it, lets the model size the next gap
+    assert gap_after(1.05 * TPOT).desired == 1
+    assert gap_after(0.5 * TPOT).desired == 1
+    # the load behind the breach has gone: a fifth of it fits one of the two replicas, each at what it
+    # carried then; at two thirds of it, one replica would carry more than each did, so both stay
+    assert gap_after(1.5 * TPOT, then=0.05, now=0.01).desired == 1
+    assert gap_after(1.5 * TPOT, then=0.03, now=0.02).desired == 2
+    # the hold lasts until a window measures again: under the target, the pool goes down
+    a = Autoscaler(spec(), CAL)
+    steady(a, 0, 0.01, 2, 2, dec_lat=1.5 * TPOT)
+    assert steady(a, 15, 0.01, 2, 2, dec_lat=nan).decode.desired == 2
+    assert steady(a, 30, 0.01, 2, 2, dec_lat=nan).decode.desired == 2
+    assert steady(a, 45, 0.01, 2, 2, dec_lat=0.5 * TPOT).decode.desired == 1
+    # or until an idle window: the overload is over
+    b = Autoscaler(spec(), CAL)
+    steady(b, 0, 0.01, 2, 2, dec_lat=1.5 * TPOT)
+    b.decide(snap(15, role("prefill", 2, signal="idle", arrivals=0), role("decode", 2, signal="idle", arrivals=0)))
+    assert steady(b, 30, 0.01, 2, 2, dec_lat=nan).decode.desired == 1
+
+
 def test_hpa_behavior_arithmetic_shared_by_the_policy_and_the_held_oracle():
     """``behavior.stabilized`` and ``behavior.step_room`` (Kubernetes HPA's stabilization window and step
     limit, horizontal.go): up takes the lowest recommendation of the window, down the highest, neither
