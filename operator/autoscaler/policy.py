@@ -119,8 +119,9 @@ class _RoleState:
     rises: deque = field(default_factory=deque)       # (at, the peak over the next start-up / the level then)
     breaches: deque = field(default_factory=deque)    # [first, last] breach of each episode over the target
     readies: deque = field(default_factory=deque)     # (at, ready replicas) over the last metrics window
-    last_over: Optional[tuple] = None                 # (replicas served, latency / target, demand) of the
-                                                      # last window measured, if it was above the band
+    last_over: Optional[tuple] = None                 # decode's last window measured, if it was above the
+                                                      # band: (replicas that served it, at least 1; its
+                                                      # p90 TPOT in s; the higher of its demand and level)
 
 
 @dataclass
@@ -455,7 +456,8 @@ class Autoscaler:
         lat = rs.latency
         if not measured(lat):
             rec = max(need if need is not None else cur, cur if rs.waiting > 0 else 0)
-            if st.last_over is not None and rec < cur:
+            over = st.last_over
+            if over is not None and over[1] > target * (1 + lim.tolerance) and rec < cur:
                 # no request finished in the window (closed-loop gaps, streams longer than the window),
                 # and the last window that measured one was over the target: the model alone overrated
                 # decode on the live CPU calibration ("needs 1" at 37 tokens/s where 2 replicas had just
@@ -466,14 +468,17 @@ class Autoscaler:
                 # be over the target too). Not scaled by the ratio, as HPA's rule is: a TPOT sits at the
                 # batch-1 step below a load and rises steeply past it, so the ratio overstates lighter
                 # loads. Once the load behind it has gone (the fleet test's heavy run at 120 tokens/s,
-                # then a trickle of two streams at 29-39), the model decides, as before
-                served, ratio, then = st.last_over
+                # then a trickle of two streams at 29-39), the model decides, as before. Decode only: a
+                # TPOT is measured when its request ends, so long streams leave windows without one, and
+                # decode is where the model was seen to overrate the pool. The latency is kept in seconds
+                # and compared with the target now, which a GitOps sync may have changed
+                served, lat_then, then = over
                 keep = math.ceil(served * demand / then - 1e-9) if then > 0 else cur
                 if keep > rec:
                     rec = min(cur, keep)
-                    return _Sized(rec, f"no latency yet; the last window measured was x{ratio:.2f} the target "
-                                       f"at {served:.3g} replicas and a load of {then:.3g}: at {demand:.3g}, "
-                                       f"{rec} replicas", inputs)
+                    return _Sized(rec, f"no latency yet; the last window measured was x{lat_then / target:.2f} "
+                                       f"the target at {served:.3g} replicas and a load of {then:.3g}: at "
+                                       f"{demand:.3g}, {rec} replicas", inputs)
             return _Sized(rec, f"no latency yet; demand {demand:.3g} needs {rec}", inputs)
         ratio = lat / target
         inputs.update(observed=round(lat, 4), ratio=round(ratio, 3))
@@ -481,7 +486,8 @@ class Autoscaler:
         # a TPOT is measured when its request ends, and tells of the load over the request's whole stream:
         # the load behind it is the smoothed level as much as the window's demand (the fleet test's heavy
         # run read 1.70x the target in its last window, at a demand of 38 tokens/s where its level was 120)
-        st.last_over = (max(served, 1.0), ratio, max(demand, level)) if ratio > 1 + lim.tolerance else None
+        over = role == "decode" and ratio > 1 + lim.tolerance
+        st.last_over = (max(served, 1.0), lat, max(demand, level)) if over else None
         if served < rs.ready:
             inputs["served"] = round(served, 2)
         if ratio > 1 + lim.tolerance:

@@ -852,11 +852,13 @@ def test_a_window_with_streams_running_and_none_arriving_sizes_them_as_a_fixed_p
 def test_a_window_without_latency_after_one_above_target_holds_the_count():
     """Thirty-fifth session's note: under closed-loop load (the e2e story's ramp), a decode window in which
     no request measured a TPOT fell back to the model ("no latency yet"), which overrates decode on the
-    live CPU calibration, and the pool went 2 -> 1 a window after its TPOT was over the target. Without
+    live CPU calibration, and the pool went 2 -> 1 twenty seconds after a window over the target. Without
     a latency, the last one measured stands for the load it was measured at: the pool goes no lower than
-    the count that gives each replica no more of the demand now than each carried then (Kubernetes' HPA
-    does not scale down on metrics it lacks). After a window in the band, with none measured yet, or
-    once the load behind the breach has gone, the model alone sizes it."""
+    the count that gives each replica no more of the demand now than each carried then (as Kubernetes'
+    HPA does not scale down on metrics it lacks), and never above its count now. With none measured
+    yet, after a window in or under the band or an idle one, once the load behind the breach has gone,
+    or once a new target puts that latency within the band, the model alone sizes it. Prefill is not
+    held: a TTFT comes at the first token, not at a stream's end."""
     nan = math.nan
 
     def gap_after(last_latency, then=0.01, now=0.01):
@@ -883,11 +885,27 @@ def test_a_window_without_latency_after_one_above_target_holds_the_count():
     assert steady(a, 15, 0.01, 2, 2, dec_lat=nan).decode.desired == 2
     assert steady(a, 30, 0.01, 2, 2, dec_lat=nan).decode.desired == 2
     assert steady(a, 45, 0.01, 2, 2, dec_lat=0.5 * TPOT).decode.desired == 1
+    assert steady(a, 60, 0.01, 2, 2, dec_lat=nan).decode.desired == 1   # that window ended the hold
     # or until an idle window: the overload is over
     b = Autoscaler(spec(), CAL)
     steady(b, 0, 0.01, 2, 2, dec_lat=1.5 * TPOT)
     b.decide(snap(15, role("prefill", 2, signal="idle", arrivals=0), role("decode", 2, signal="idle", arrivals=0)))
     assert steady(b, 30, 0.01, 2, 2, dec_lat=nan).decode.desired == 1
+    # a GitOps sync that loosens the target keeps the policy's state (kube_loop's carry_over): the
+    # breach, 1.5x the old target, is within the band of one twice as loose, and holds nothing
+    c = Autoscaler(spec(), CAL)
+    steady(c, 0, 0.01, 2, 2, dec_lat=1.5 * TPOT)
+    loose = Autoscaler(spec(dec={"target": {"metric": "tpot", "seconds": 2 * TPOT}}), CAL)
+    loose.state = copy.deepcopy(c.state)
+    assert steady(loose, 15, 0.01, 2, 2, dec_lat=nan).decode.desired == 1
+    c2 = Autoscaler(spec(), CAL)
+    c2.state = copy.deepcopy(c.state)
+    assert steady(c2, 15, 0.01, 2, 2, dec_lat=nan).decode.desired == 2   # the same target: held
+    # prefill is not held: a breach of its TTFT, then a window without one, is sized by the model
+    p = Autoscaler(spec(), CAL)
+    p.decide(snap(0, role("prefill", 2, arrivals=0.01, latency=1.5 * TTFT), role("decode", 2, arrivals=0.01)))
+    gap = p.decide(snap(15, role("prefill", 2, arrivals=0.01, latency=nan), role("decode", 2, arrivals=0.01)))
+    assert gap.prefill.recommended == 1 and "last window measured" not in gap.prefill.reason, gap.prefill
 
 
 def test_hpa_behavior_arithmetic_shared_by_the_policy_and_the_held_oracle():
