@@ -484,8 +484,9 @@ class Autoscaler:
         inputs.update(observed=round(lat, 4), ratio=round(ratio, 3))
         served = self._served(st, snap.at, rs)
         # a TPOT is measured when its request ends, and tells of the load over the request's whole stream:
-        # the load behind it is the smoothed level as much as the window's demand (the fleet test's heavy
-        # run read 1.70x the target in its last window, at a demand of 38 tokens/s where its level was 120)
+        # the load behind it is the smoothed level as much as the window's demand (in the fleet test the
+        # heavy run's last window read 1.87x the target at a demand of 38 tokens/s, where the run's windows
+        # had read 128)
         over = role == "decode" and ratio > 1 + lim.tolerance
         st.last_over = (max(served, 1.0), lat, max(demand, level)) if over else None
         if served < rs.ready:
