@@ -456,8 +456,8 @@ class Autoscaler:
         lat = rs.latency
         if not measured(lat):
             rec = max(need if need is not None else cur, cur if rs.waiting > 0 else 0)
-            over = st.last_over
-            if over is not None and over[1] > target * (1 + lim.tolerance) and rec < cur:
+            last = st.last_over
+            if last is not None and last[1] > target * (1 + lim.tolerance) and rec < cur:
                 # no request finished in the window (closed-loop gaps, streams longer than the window),
                 # and the last window that measured one was over the target: the model alone overrated
                 # decode on the live CPU calibration ("needs 1" at 37 tokens/s where 2 replicas had just
@@ -472,7 +472,7 @@ class Autoscaler:
                 # TPOT is measured when its request ends, so long streams leave windows without one, and
                 # decode is where the model was seen to overrate the pool. The latency is kept in seconds
                 # and compared with the target now, which a GitOps sync may have changed
-                served, lat_then, then = over
+                served, lat_then, then = last
                 keep = math.ceil(served * demand / then - 1e-9) if then > 0 else cur
                 if keep > rec:
                     rec = min(cur, keep)
@@ -487,8 +487,8 @@ class Autoscaler:
         # the load behind it is the smoothed level as much as the window's demand (in the fleet test the
         # heavy run's last window read 1.87x the target at a demand of 38 tokens/s, where the run's windows
         # had read 128)
-        over = role == "decode" and ratio > 1 + lim.tolerance
-        st.last_over = (max(served, 1.0), lat, max(demand, level)) if over else None
+        breach = role == "decode" and ratio > 1 + lim.tolerance
+        st.last_over = (max(served, 1.0), lat, max(demand, level)) if breach else None
         if served < rs.ready:
             inputs["served"] = round(served, 2)
         if ratio > 1 + lim.tolerance:
