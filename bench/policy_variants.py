@@ -4,7 +4,8 @@ the "tried and not landed" entries of bench/RESULTS.md use, so that each is repr
 
     PYTHONSAFEPATH=1 .venv/bin/python bench/policy_variants.py \
         --calibration bench/calibrations/smollm2-cpu-scenarios.yaml --scenarios all --seeds 1 \
-        [--trace ../shared/traces/azure2023_code.csv --format azure --scale 10] [--jobs 2] \
+        [--trace ../shared/traces/azure2023_code.csv --format azure --scale 10 [--fit-medians 256,10]] \
+        [--jobs 2] \
         '{"headroom": 0.7}' '{"recurring_windows": 2}'
 
 Each argument is a JSON object of ``Autoscaler`` keyword arguments (operator/autoscaler/policy.py); the
@@ -55,6 +56,9 @@ def main() -> None:
     ap.add_argument("--trace", help="an Azure or Mooncake trace file; both halves are run")
     ap.add_argument("--format", default="azure")
     ap.add_argument("--scale", type=int, default=1)
+    ap.add_argument("--fit-medians", default=None, metavar="PROMPT,OUTPUT",
+                    help="the trace's lengths scaled to these medians, as bench/trace_table.py does (256,10 maps "
+                         "it onto the CPU calibration)")
     ap.add_argument("--jobs", type=at_least_one, default=2, help="processes (default 2)")
     args = ap.parse_args()
     try:
@@ -77,6 +81,7 @@ def main() -> None:
         seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
     except ValueError:
         ap.error(f"--seeds: comma-separated integers, not {args.seeds!r}")
+    medians = T.fit_medians(ap, args.fit_medians)
     t0 = time.time()
     rows = []   # (input label, variant, metrics)
     jobs = [(args.calibration, n, s, v) for v in variants for s in seeds for n in names]
@@ -84,7 +89,7 @@ def main() -> None:
         with ProcessPoolExecutor(args.jobs) as ex:
             rows += [(f"{j[1]} seed {j[2]}", j[3], m) for j, m in zip(jobs, ex.map(_scenario, jobs))]
     if args.trace:
-        init = (args.format, args.trace, args.scale, args.calibration)
+        init = (args.format, args.trace, args.scale, args.calibration, medians)
         tjobs = [(h, v) for v in variants for h in ("first", "second")]
         with ProcessPoolExecutor(args.jobs, initializer=T._setup, initargs=init) as ex:
             rows += [(f"{Path(args.trace).name} x{args.scale} {h} half", v, m)

@@ -18,6 +18,7 @@ import json
 import math
 import time
 from concurrent.futures import ProcessPoolExecutor
+from typing import Optional
 
 from tandem.operator.autoscaler.capacity import PerfModel
 from tandem.operator.simulate import run as R
@@ -64,6 +65,20 @@ def _run(job):
     return m
 
 
+def fit_medians(ap: argparse.ArgumentParser, text: Optional[str]) -> Optional[tuple]:
+    """``--fit-medians PROMPT,OUTPUT`` as (prompt, output) median token counts, None when not given; an
+    ``ap.error`` (exit 2) naming the option for anything but two numbers."""
+    if not text:
+        return None
+    try:
+        medians = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        medians = ()
+    if len(medians) != 2:
+        ap.error(f"--fit-medians: PROMPT,OUTPUT token counts (got {text!r})")
+    return medians
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("file")
@@ -77,14 +92,7 @@ def main() -> None:
                          "calibration's measured range (issue 25's mapping onto the CPU calibration: 256,10)")
     args = ap.parse_args()
     t0 = time.time()
-    medians = None
-    if args.fit_medians:
-        try:
-            medians = tuple(float(x) for x in args.fit_medians.split(","))
-        except ValueError:
-            medians = ()
-        if len(medians) != 2:
-            ap.error(f"--fit-medians: PROMPT,OUTPUT token counts (got {args.fit_medians!r})")
+    medians = fit_medians(ap, args.fit_medians)
     init = (args.format, args.file, args.scale, args.calibration, medians)
     _setup(*init)
     sc = _STATE["sc"]
