@@ -64,6 +64,10 @@ COST_AIM = "GPU-hours <= 1.1x reactive oracle"
 CORE_AIMS = ("attainment >= 95% (TTFT and TPOT)", COST_AIM)
 #: The opening of :func:`reach`'s verdict on an aim only the oracle held to the pool's behavior reaches.
 HELD_REACHABLE = "reachable held to the pool's behavior"
+#: The opening of :func:`reach`'s verdict on an aim that only a setting chosen on the evaluation seed reaches.
+TUNED_ONLY = "reachable only by a setting chosen on this seed"
+#: The seed every baseline's knobs and tandem's defaults are tuned on (issue 25: nothing else may be).
+TUNING_SEED = 1
 #: issue 25's cost aim: at most this times the reactive oracle's GPU-hours at its best setting with the
 #: same attainment (:func:`reactive_yardstick`)
 COST_FACTOR = 1.1
@@ -433,7 +437,7 @@ def reactive_frontier(perf: PerfModel, calibration, seed: int = 0, names=S.NAMES
     return out
 
 
-def reach(tab: dict, frontier: dict, behaved: Optional[dict] = None) -> dict:
+def reach(tab: dict, frontier: dict, behaved: Optional[dict] = None, tuning: Optional[tuple] = None) -> dict:
     """{(scenario, aim): verdict} for the aims of :func:`aims` on attainment, cost and the comparisons
     with the peers (:data:`REACH_AIMS`; not the "all" rows), asking whether a
     reactive policy can reach it: each setting of the reactive oracle (:func:`reactive_frontier`) is put
@@ -454,29 +458,72 @@ def reach(tab: dict, frontier: dict, behaved: Optional[dict] = None) -> dict:
     keeps replicas that the next rise then finds ready): ``"reachable held to the pool's behavior: <the
     cheapest such setting>"``, tandem's own too (:func:`is_own`).
 
+    With ``tuning`` (``(frontier, behaved)``: both oracles' settings on :data:`TUNING_SEED`, for a table
+    of another seed), a miss that is tandem's own is judged once more with only the settings that tuning
+    on that seed could choose, as tandem's defaults and every baseline's knobs were: those meeting both
+    core aims there (:func:`tuned_settings`). If it is no longer tandem's own, the verdict is
+    ``"reachable only by a setting chosen on this seed: <why>"``. The aims table is unchanged: its cost
+    yardstick is still the best setting on the evaluation seed itself, chosen in hindsight of it.
+
     Foresight (the oracle) or hindsight (the best static fleet) can do what no setting here does: an
     aim out of reach here is out of reach for any policy that sizes from the load it has seen."""
     out = {}
+    kept = tuned_settings(*tuning) if tuning else None
     for sc, points in frontier.items():
-        plain = _verdicts(tab, sc, points, yardsticks({sc: points}, behaved)[sc])
-        witness: dict = {}
         held_points = (behaved or {}).get(sc)
-        held = _verdicts(tab, sc, held_points, held_points, witness) if held_points else {}
-        for aim, v in plain.items():
-            if v != "reachable" and held.get(aim) == "reachable":
-                w = witness[aim]
-                v = (f"{HELD_REACHABLE}: the reactive oracle held to it at utilization {w['knobs']['utilization']:g}, "
-                     f"TTFT / TPOT {w['attainment_ttft']:.1%} / {w['attainment_tpot']:.1%} at {w['gpu_hours']:.2f} "
-                     f"GPU-h (plain: {v})")
-            elif v == "reachable" and held:
-                if aim == COST_AIM:
-                    ok, detail = _cost_ok(tab[sc]["tandem"], held_points)
-                    if ok:
-                        v = (f"reachable only past the pool's behavior: against the reactive oracle held to it "
-                             f"tandem meets it, {detail}")
-                elif held[aim] != "reachable":
-                    v = f"reachable only past the pool's behavior: held to it, {held[aim]}"
-            out[(sc, aim)] = v
+        yard = yardsticks({sc: points}, behaved)[sc]
+        verdicts = _reach_one(tab, sc, points, held_points, yard)
+        if kept is not None and any(is_own(v) for v in verdicts.values()):
+            plain_ok, held_ok = kept
+            tuned = _reach_one(tab, sc, [m for m in points if _setting(m) in plain_ok.get(sc, ())],
+                               [m for m in held_points or [] if _setting(m) in held_ok.get(sc, ())] or None,
+                               yard)
+            for aim, v in verdicts.items():
+                if is_own(v) and not is_own(tuned[aim]):
+                    verdicts[aim] = (f"{TUNED_ONLY}: of the settings that tuning on seed {TUNING_SEED} could choose, "
+                                     f"as tandem's were, {tuned[aim]}; of every setting, {v}")
+        out.update({(sc, aim): v for aim, v in verdicts.items()})
+    return out
+
+
+def _setting(m: dict) -> float:
+    return m["knobs"]["utilization"]
+
+
+def tuned_settings(frontier: dict, behaved: Optional[dict] = None) -> tuple[dict, dict]:
+    """({scenario: {utilization}}, the same held to the behavior): the reactive oracle's settings that tuning
+    on :data:`TUNING_SEED` could choose, from both oracles' settings on that seed: those meeting both core
+    aims there (attainment, and the cost aim against that seed's yardsticks: both oracles' settings for the
+    plain one, the held oracle's own for the held one, as :func:`reach` judges each world)."""
+    def ok(points, yard):
+        return {_setting(m) for m in points if meets(m) and _cost_ok(m, yard)[0]}
+    both = yardsticks(frontier, behaved)
+    return ({sc: ok(points, both[sc]) for sc, points in frontier.items()},
+            {sc: ok(points, points) for sc, points in (behaved or {}).items()})
+
+
+def _reach_one(tab: dict, sc: str, points: list[dict], held_points: Optional[list[dict]], yard: list[dict]) -> dict:
+    """:func:`reach`'s verdicts for one scenario: ``points`` the plain oracle's settings in tandem's place,
+    ``held_points`` the held one's (None without), ``yard`` the aims' cost yardstick."""
+    plain = _verdicts(tab, sc, points, yard)
+    witness: dict = {}
+    held = _verdicts(tab, sc, held_points, held_points, witness) if held_points else {}
+    out = {}
+    for aim, v in plain.items():
+        if v != "reachable" and held.get(aim) == "reachable":
+            w = witness[aim]
+            v = (f"{HELD_REACHABLE}: the reactive oracle held to it at utilization {_setting(w):g}, "
+                 f"TTFT / TPOT {w['attainment_ttft']:.1%} / {w['attainment_tpot']:.1%} at {w['gpu_hours']:.2f} "
+                 f"GPU-h (plain: {v})")
+        elif v == "reachable" and held:
+            if aim == COST_AIM:
+                ok, detail = _cost_ok(tab[sc]["tandem"], held_points)
+                if ok:
+                    v = (f"reachable only past the pool's behavior: against the reactive oracle held to it "
+                         f"tandem meets it, {detail}")
+            elif held[aim] != "reachable":
+                v = f"reachable only past the pool's behavior: held to it, {held[aim]}"
+        out[aim] = v
     return out
 
 
@@ -493,8 +540,11 @@ def _verdicts(tab: dict, sc: str, candidates: list[dict], yardstick: list[dict],
     per_point = [{r["aim"]: r["ok"] for r in aims({sc: {**tab[sc], "tandem": m}}, {sc: yardstick})
                   if r["scenario"] == sc}
                  for m in candidates]
+    # with no candidate (none that tuning could choose), every aim is out of reach
+    names = per_point[0] if per_point else [r["aim"] for r in aims({sc: tab[sc]}, {sc: yardstick})
+                                             if r["scenario"] == sc]
     out = {}
-    for aim in per_point[0]:
+    for aim in names:
         if not aim.startswith(REACH_AIMS):
             continue   # direction changes and the shifts' split depend on smoothing, not on reaching
         meeting = [ok for ok in per_point if ok[aim]]
@@ -523,12 +573,13 @@ def format_frontier(frontier: dict) -> str:
     return "\n".join(lines)
 
 
-def judge(tab: dict, frontier: dict, behaved: Optional[dict] = None) -> tuple[list[dict], dict]:
+def judge(tab: dict, frontier: dict, behaved: Optional[dict] = None,
+          tuning: Optional[tuple] = None) -> tuple[list[dict], dict]:
     """(rows, verdicts): :func:`aims` with the cost aim against :func:`yardsticks` of both frontiers, and
     :func:`reach`'s verdict on each miss (``frontier``: the reactive oracle's settings per scenario,
-    ``behaved``: the same held to the pool's behavior). What ``tune``, ``tandem simulate --aims`` and
-    bench/trace_table.py print."""
-    return aims(tab, yardsticks(frontier, behaved)), reach(tab, frontier, behaved)
+    ``behaved``: the same held to the pool's behavior, ``tuning``: both on :data:`TUNING_SEED` when the
+    table is of another seed). What ``tune``, ``tandem simulate --aims`` and bench/trace_table.py print."""
+    return aims(tab, yardsticks(frontier, behaved)), reach(tab, frontier, behaved, tuning)
 
 
 def format_reach(rows: list[dict], verdicts: dict) -> str:
@@ -539,13 +590,22 @@ def format_reach(rows: list[dict], verdicts: dict) -> str:
     return "\n".join(lines)
 
 
-def format_judgement(tab: dict, frontier: dict, behaved: dict, where: str = "") -> str:
+def format_judgement(tab: dict, frontier: dict, behaved: dict, where: str = "",
+                     tuning: Optional[tuple] = None) -> str:
     """The table, the aims (:func:`judge`), both frontiers and the verdicts on the misses, in Markdown;
-    ``where`` follows the frontiers' headings (e.g. " (seed 0)")."""
-    rows, verdicts = judge(tab, frontier, behaved)
-    return (format_table(tab) + "\n\n" + format_aims(rows) + f"\n\nThe reactive oracle at every setting{where}:\n\n"
+    ``where`` follows the frontiers' headings (e.g. " (seed 0)"); ``tuning`` as for :func:`judge`, whose
+    frontiers and the settings tuning picks from them follow."""
+    rows, verdicts = judge(tab, frontier, behaved, tuning)
+    text = (format_table(tab) + "\n\n" + format_aims(rows) + f"\n\nThe reactive oracle at every setting{where}:\n\n"
             + format_frontier(frontier) + f"\n\nThe same, held to the pool's scaling behavior{where}:\n\n"
-            + format_frontier(behaved) + "\n\n" + format_reach(rows, verdicts))
+            + format_frontier(behaved))
+    if tuning:
+        plain_ok, held_ok = tuned_settings(*tuning)
+        text += (f"\n\nBoth on the tuning seed ({TUNING_SEED}), plain then held; the settings meeting both core aims "
+                 "there, which tuning could choose: "
+                 + "; ".join(f"{sc} {sorted(plain_ok[sc])} / {sorted(held_ok.get(sc, ()))}" for sc in plain_ok)
+                 + "\n\n" + format_frontier(tuning[0]) + "\n\n" + format_frontier(tuning[1]))
+    return text + "\n\n" + format_reach(rows, verdicts)
 
 
 def format_aims(rows: list[dict]) -> str:

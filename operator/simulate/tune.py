@@ -7,8 +7,8 @@ issue's aims.
     python -m tandem.operator.simulate.tune --tandem-grid [--seed 1]   # tandem's own defaults (run.TANDEM_GRID)
 
 The table is followed by the reactive oracle at every setting of its grid (plain, and held to the pool's
-scaling behavior) and, for each aim tandem misses, whether any of those settings reaches it
-(``run.reach``).
+scaling behavior), on seed 0 and on the tuning seed, and, for each aim tandem misses, whether any of those
+settings reaches it, and whether one that tuning on seed 1 could choose does (``run.reach``).
 """
 from __future__ import annotations
 
@@ -184,7 +184,9 @@ def main(argv=None) -> int:
     tab = table_all(args.calibration, tuned, args.jobs)
     front = frontier_all(args.calibration, args.jobs)
     held = frontier_all(args.calibration, args.jobs, R.BEHAVED)
-    text = R.format_judgement(tab, front, held, " (seed 0)")
+    tuning = (frontier_all(args.calibration, args.jobs, seed=R.TUNING_SEED),
+              frontier_all(args.calibration, args.jobs, R.BEHAVED, seed=R.TUNING_SEED))
+    text = R.format_judgement(tab, front, held, " (seed 0)", tuning)
     print(text)
     if args.markdown:
         Path(args.markdown).write_text(text + "\n")
