@@ -295,7 +295,7 @@ def _simulate(args) -> int:
         held = {key: [one(R.BEHAVED, k)[0] for k in R.GRIDS[R.BEHAVED]]}
         rows, verdicts = R.judge(tab, front, held)
         if (scenario and header.get("params", {}).get("seed", R.TUNING_SEED) != R.TUNING_SEED
-                and any(R.is_own(v) for v in verdicts.values())):
+                and any(not r["ok"] and R.is_own(verdicts.get((r["scenario"], r["aim"]), "")) for r in rows)):
             # another seed than the one tandem's defaults and the baselines' knobs were tuned on: a miss
             # that only a setting chosen on this seed reaches is not tandem's own (run.reach)
             recs1 = S.build(scenario, perf, R.TUNING_SEED).records
