@@ -80,7 +80,8 @@ def test_the_tuning_seed_only_ever_excuses_a_miss():
     _, after = R.judge(tab, front, held, tuning)
     assert after[peer] == before[peer] and after[("step", "beats apa")] == before[("step", "beats apa")] == \
         "out of reach", after
-    assert after[COST].startswith(R.TUNED_ONLY) is False and R.is_own(after[COST])   # H held at 1.0 reaches it
+    # the cost miss stays tandem's own: the held oracle at 1.0, valid on seed 1, reaches it
+    assert not after[COST].startswith(R.TUNED_ONLY) and R.is_own(after[COST]), after[COST]
     _, elsewhere = R.judge(TAB, FRONT, HELD, ({"other": front["step"]}, {"other": held["step"]}))
     assert elsewhere == R.judge(TAB, FRONT, HELD)[1]
 
