@@ -469,7 +469,9 @@ def reach(tab: dict, frontier: dict, behaved: Optional[dict] = None, tuning: Opt
     aim out of reach here is out of reach for any policy that sizes from the load it has seen."""
     out = {}
     kept = tuned_settings(*tuning) if tuning else None
-    missed = {(r["scenario"], r["aim"]) for r in aims(tab, yardsticks(frontier, behaved)) if not r["ok"]}
+    # only a re-judgement needs to know which aims tandem misses
+    missed = {(r["scenario"], r["aim"]) for r in aims(tab, yardsticks(frontier, behaved)) if not r["ok"]} \
+        if kept is not None else set()
     for sc, points in frontier.items():
         held_points = (behaved or {}).get(sc)
         verdicts = _reach_one(tab, sc, points, held_points, yardsticks({sc: points}, behaved)[sc])
